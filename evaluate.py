@@ -1035,14 +1035,23 @@ def run_evaluation(args: "EvalArgs", make_engine=None) -> dict:
 
 def _start_engine(args: "EvalArgs", make_engine=None):
     """The rollout engine (vLLM by default) on the model, with the adapter merged in if given:
-    the engine loads the base weights from disk, then takes the merged ones in place."""
-    import rollout
+    the engine loads the base weights from disk, then takes the merged ones in place.
 
+    No trainer shares the GPU here, so the engine takes most of it (``--gpu-memory-utilization``
+    defaults to 0.9 on CUDA) and never sleeps.
+    """
+    import rollout
+    import torch
+
+    fraction = args.gpu_memory_utilization
+    if fraction is None and torch.cuda.is_available():
+        fraction = rollout.CUDA_STANDALONE_MEMORY_FRACTION
     merged = load_merged_model(args.model, args.adapter, args.dtype) if args.adapter else None
     try:
         engine = (make_engine or rollout.make_engine)(
             args.model, args.backend, max_model_len=args.max_model_len, dtype=args.dtype,
-            gpu_memory_utilization=args.gpu_memory_utilization, seed=0, model=merged,
+            gpu_memory_utilization=fraction, seed=0, model=merged,
+            **({"enable_sleep_mode": False} if args.backend == "vllm" else {}),
         )
     except rollout.RolloutError as error:
         raise EvalError(str(error)) from None
@@ -1279,7 +1288,8 @@ class EvalArgs:
     limit: int | None = _arg(None, "evaluate only the first LIMIT problems of each benchmark")
     backend: str = _arg("vllm", "rollout engine (hf: transformers generate, slow)", choices=("vllm", "hf"))
     dtype: str = _arg("auto", "engine dtype (auto, bfloat16, float32)")
-    gpu_memory_utilization: float | None = _arg(None, "vLLM memory fraction (on CPU it sizes host memory)")
+    gpu_memory_utilization: float | None = _arg(None, "vLLM memory fraction (default: 0.9 on CUDA, the engine "
+                                                "runs alone; on CPU the share of RAM for the KV cache, 0.05)")
     grade_timeout: float = _arg(GRADE_TIMEOUT_S, "per-item grading timeout in seconds")
     grading_workers: int | None = _arg(None, "grading processes (default: one per CPU core)")
     save_completions: str | None = _arg(None, "directory for per-(benchmark, seed) JSONL samples")

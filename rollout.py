@@ -13,7 +13,8 @@ The RL step of the paper (section 5, App. E) samples G = 8 completions per promp
    make the bf16 base drift); adapter tensors are not pushed.
 4. ``VLLMEngine``: an in-process ``vllm.LLM`` colocated with the trainer. ``sync_weights`` pushes
    the weights in place (no checkpoint on disk) and resets the prefix cache. On CUDA, sleep mode
-   frees the engine's memory while the trainer updates; the engine wakes before it generates.
+   (level 2) drops the engine's weights and KV cache while the trainer updates; the next
+   ``sync_weights`` pushes every weight back and the engine wakes before it generates.
 5. ``HFEngine``: the same interface over transformers ``generate`` (machines without vLLM, and the
    reference in tests).
 6. ``make_engine``: pick one.
@@ -67,8 +68,10 @@ import torch
 BACKENDS = ("vllm", "hf")
 # On CPU, gpu_memory_utilization is the share of RAM reserved for the KV cache (see the docstring).
 CPU_DEFAULT_MEMORY_FRACTION = 0.05
-# On CUDA the engine shares the GPU with the trainer (TRL's colocate default is 0.3).
+# On CUDA the engine shares the GPU with the trainer (TRL's colocate default is 0.3) ...
 CUDA_DEFAULT_MEMORY_FRACTION = 0.3
+# ... and takes most of it when it runs alone (evaluate.py: n = 256 over a benchmark).
+CUDA_STANDALONE_MEMORY_FRACTION = 0.9
 # KV-cache block on CPU (vLLM-CPU's default, 128, leaves prompts under 128 tokens without prefix
 # caching, so each of the n completions recomputes its prompt; 32 gave +25% on bench/rollout.py).
 CPU_BLOCK_SIZE = 32
@@ -436,6 +439,24 @@ def repack_cpu_embedding_gemms(worker) -> None:
             method.process_weights_after_loading(module)
 
 
+def force_in_process_engine() -> None:
+    """Run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), whatever the
+    environment says: ``sync_weights`` hands the trainer's tensors to the engine by a function
+    call, which an engine in another process could not receive."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        warnings.warn("VLLM_ENABLE_V1_MULTIPROCESSING is set to "
+                      f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}; the colocated engine needs 0, using 0",
+                      stacklevel=3)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def release_cached_cuda_memory() -> None:
+    """Hand the blocks PyTorch's caching allocator holds back to the driver, so that the engine,
+    which allocates outside that cache, can wake up into them (TRL does the same)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 class VLLMEngine:
     """Rollouts from an in-process ``vllm.LLM`` holding the policy's weights."""
 
@@ -456,8 +477,7 @@ class VLLMEngine:
         on_cuda = torch.cuda.is_available()
         if not on_cuda:
             check_cpu_head_size(config)
-        # In-process engine: the weight push is a function call, not an IPC copy.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        force_in_process_engine()
         from transformers import AutoTokenizer
 
         try:
@@ -472,6 +492,7 @@ class VLLMEngine:
         # Sleep mode needs CUDA (vLLM's CPU worker ignores it); on CPU sleep/wake_up are no-ops.
         self.sleep_mode = on_cuda if enable_sleep_mode is None else bool(enable_sleep_mode and on_cuda)
         self._asleep: set[str] = set()
+        self._weights_discarded = False  # sleep(level=2) dropped them: sync_weights must come first
         default_fraction = CUDA_DEFAULT_MEMORY_FRACTION if on_cuda else CPU_DEFAULT_MEMORY_FRACTION
         fraction = gpu_memory_utilization or default_fraction
         kwargs = dict(
@@ -534,6 +555,9 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         """[num_prompts][n] completions of the given token-id prompts, all in one vLLM call."""
         prompts = check_prompts(prompts, self.max_model_len, self.vocab_size)
+        if self._weights_discarded:
+            raise RolloutError("the engine's weights were discarded by sleep(level=2): call sync_weights(model) "
+                               "before generate")
         self.wake_up()
         try:
             outputs = self.llm.generate(
@@ -566,6 +590,7 @@ class VLLMEngine:
         with the old weights). The KV cache wakes at the next ``generate``.
         """
         if "weights" in self._asleep:
+            release_cached_cuda_memory()
             self.llm.wake_up(tags=["weights"])
             self._asleep.discard("weights")
         with engine_weights(model) as weights:
@@ -579,20 +604,25 @@ class VLLMEngine:
         if not self.on_cuda:
             self.llm.collective_rpc(repack_cpu_embedding_gemms)
         self.llm.reset_prefix_cache()
+        self._weights_discarded = False
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 2) -> None:
         """Free the engine's GPU memory while the trainer updates (CUDA only; no-op on CPU).
 
-        Level 1 offloads the weights to CPU RAM and drops the KV cache; level 2 drops the weights
-        too, which is safe only if ``sync_weights`` runs before the next ``generate``.
+        Level 2 (the trainer's) drops the weights and the KV cache: every weight is pushed again
+        by ``sync_weights`` before the next ``generate`` (which refuses to run until then), so
+        nothing is copied anywhere. Level 1 would offload the weights to host memory and copy
+        them back, 15 GB each way per step for a 7B model, only for the push to overwrite them.
         """
         if self.sleep_mode and not self._asleep:
             self.llm.sleep(level=level)
             self._asleep = {"weights", "kv_cache"}
+            self._weights_discarded = level >= 2
 
     def wake_up(self) -> None:
         """Restore what ``sleep`` freed (no-op when awake or on CPU)."""
         if self._asleep:
+            release_cached_cuda_memory()
             self.llm.wake_up(tags=sorted(self._asleep))
             self._asleep = set()
 
@@ -817,7 +847,7 @@ class HFEngine:
                     )
                 targets[name].copy_(tensor)
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 2) -> None:
         """No-op: the hf engine shares the trainer's memory."""
 
     def wake_up(self) -> None:

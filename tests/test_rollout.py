@@ -318,6 +318,26 @@ def test_vllm_same_seed_same_samples_and_n_per_prompt(base_model, prompts, vllm_
     assert text.text == vllm_engine.tokenizer.decode(text.token_ids, skip_special_tokens=True)
 
 
+@pytest.mark.slow
+def test_generate_refuses_discarded_weights_until_they_are_pushed(base_model, prompts, vllm_engine):
+    """sleep(level=2) drops the weights on CUDA; an engine that generated from the garbage left in
+    their place would corrupt a run silently. (Here the flag is set by hand: CPU engines do not sleep.)"""
+    vllm_engine._weights_discarded = True
+    with pytest.raises(rollout.RolloutError, match="discarded by sleep.* call sync_weights"):
+        vllm_engine.generate(prompts, rollout.SamplingConfig(n=1, max_tokens=2))
+    vllm_engine.sync_weights(base_model)
+    assert len(vllm_engine.generate(prompts, rollout.SamplingConfig(n=1, max_tokens=2))) == len(prompts)
+
+
+def test_the_engine_always_runs_in_process(monkeypatch):
+    """Weight sync hands tensors over by a function call: an engine core in another process would
+    never receive them, so a user's VLLM_ENABLE_V1_MULTIPROCESSING=1 is overridden, with a warning."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    with pytest.warns(UserWarning, match="needs 0"):
+        rollout.force_in_process_engine()
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
 def eos_at_step_policy(model, engine_tokenizer, prompt, reference_dir):
     """A copy of ``model`` whose greedy completion of ``prompt`` ends with EOS at a known step k.
 
