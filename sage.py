@@ -49,6 +49,7 @@ from dataclasses import dataclass
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 import guides  # noqa: E402
 import loss  # noqa: E402
@@ -90,8 +91,12 @@ class Config:
     """SFT field with the worked solution (placed between the working-out markers)."""
     sft_answer_key: str = "expected_answer"
     """SFT field with the final answer (placed between <SOLUTION> markers)."""
-    sft_max_samples: int = 0
-    """Use at most N SFT examples (0: all numerically answerable ones)."""
+    sft_max_samples: int = 500
+    """Use the first N SFT examples that fit (0: all; App. E.2 uses a small subset)."""
+    sft_max_tokens: int = 0
+    """Drop SFT examples longer than this, prompt + completion + EOS (0: half of --max-seq-len, App. E.2)."""
+    sft_only: bool = False
+    """Stop after the SFT stage (its model, <run>/sft_model, is the base of every RL run of Table 1)."""
     sft_epochs: int = 2
     """SFT epochs (paper: 2)."""
     sft_lr: float = 2e-4
@@ -109,8 +114,8 @@ class Config:
     """Prompts per optimizer step (paper: 8)."""
     rollouts: int = 8
     """Completions per prompt, the group size G (paper: 8)."""
-    micro_batch_size: int = 8
-    """Sequences per forward/backward; the step's 64 sequences are accumulated."""
+    micro_batch_size: int = 4
+    """Sequences per forward/backward; the step's 64 sequences are accumulated (4 fits a 7B on 80 GB)."""
     ppo_epochs: int = 1
     """Passes over each step's rollouts (1: on-policy, the ratio is 1 at the first pass)."""
     advantage: str = ""
@@ -163,8 +168,8 @@ class Config:
     """LoRA alpha."""
     full_finetune: bool = False
     """Train all weights instead of LoRA (the reference is then a frozen copy)."""
-    gradient_checkpointing: bool = False
-    """Recompute activations in the backward to save memory."""
+    gradient_checkpointing: bool = True
+    """Recompute activations in the backward (a 7B keeps ~6 MB of activations per token without it)."""
     # ---- sampling ----
     max_seq_len: int = 2048
     """Prompt + completion tokens (paper: 2,048; R1-distill: 8,192)."""
@@ -229,6 +234,7 @@ DEMO = dict(
     prompts_per_step=8,
     rollouts=8,
     micro_batch_size=32,
+    gradient_checkpointing=False,
     guide="branch",
     lr=5e-4,
     warmup_ratio=0.05,
@@ -259,7 +265,13 @@ def field_docs(cls) -> dict[str, str]:
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """CLI -> Config: explicit flags win, then the --algo preset, then the demo sizes, then defaults."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], argument_default=argparse.SUPPRESS)
+    demo_sizes = ", ".join(f"--{key.replace('_', '-')} {value}" for key, value in DEMO.items())
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], argument_default=argparse.SUPPRESS,
+        epilog="The defaults shown are those of a --model run: the paper's settings, sized for one 80 GB GPU "
+               "shared with the colocated vLLM engine (gradient checkpointing on, micro-batch 4, the engine "
+               f"sleeping during the update). Without --model (the CPU demo) they become: {demo_sizes}.",
+    )
     docs = field_docs(Config)
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
@@ -304,6 +316,7 @@ def validate_config(config: Config, error) -> None:
         (not (config.guide != "none" and (config.kl == "none" or config.beta == 0)),
          f"--guide {config.guide} acts only through the KL anchor: use --kl reverse with --beta > 0"),
         (config.kl_estimator != "k1_return" or config.kl == "reverse", "--kl-estimator k1_return needs --kl reverse"),
+        (not config.sft_only or (config.model and config.sft_dataset), "--sft-only needs --model and --sft-dataset"),
     ]
     for ok, message in checks:
         if not ok:
@@ -488,8 +501,23 @@ def training_problems(rows: list[dict], problem_key: str, answer_key: str, limit
     return problems
 
 
-def sft_examples(config: Config) -> list[dict]:
-    """SFT examples {problem, completion} (App. E.2): numerically answerable rows, paper format."""
+def sft_completion(reasoning: str, answer: str) -> str:
+    """An SFT target in the paper's format (App. E.4), from a worked solution and its answer.
+
+    Reasoning traces such as OpenMathReasoning's hold ``<think>`` tags: they are removed, so the
+    model learns the paper's markers only.
+
+    >>> sft_completion("<think> 2+2=4 </think>", "4")
+    '<start_working_out>2+2=4<end_working_out><SOLUTION>4</SOLUTION>'
+    """
+    for tag in ("<think>", "</think>"):
+        reasoning = reasoning.replace(tag, "")
+    return format_completion(reasoning.strip(), answer.strip())
+
+
+def sft_examples(config: Config) -> tuple[list[dict], int]:
+    """SFT examples {problem, completion} (App. E.2) from the numerically answerable rows, and the
+    number of rows dropped for a non-numeric answer."""
     rows = load_rows(config.sft_dataset, config.sft_dataset_config, config.sft_split)
     keys = (config.sft_problem_key, config.sft_reasoning_key, config.sft_answer_key)
     if rows and any(key not in rows[0] for key in keys):
@@ -504,13 +532,39 @@ def sft_examples(config: Config) -> list[dict]:
             float(answer.replace(",", ""))
         except ValueError:
             continue  # the paper keeps numerically answerable problems only
-        reasoning = str(row[config.sft_reasoning_key]).strip()
-        examples.append({"problem": str(row[config.sft_problem_key]), "completion": format_completion(reasoning, answer)})
-        if config.sft_max_samples and len(examples) >= config.sft_max_samples:
-            break
+        examples.append({"problem": str(row[config.sft_problem_key]),
+                         "completion": sft_completion(str(row[config.sft_reasoning_key]), answer)})
     if not examples:
         raise SystemExit(f"error: no numerically answerable SFT examples in {config.sft_dataset!r}")
-    return examples
+    return examples, len(rows) - len(examples)
+
+
+def tokenize_sft_examples(tokenizer, examples: list[dict], max_tokens: int, max_samples: int = 0
+                          ) -> tuple[list[tuple[list[int], list[int]]], dict]:
+    """(prompt ids, completion ids + EOS) of the first ``max_samples`` examples whose whole text
+    fits in ``max_tokens``, and counts of what was kept and dropped.
+
+    An example is never cut: a cut one would lose its closing ``</SOLUTION>`` and EOS, and SFT
+    would teach the model not to close the format (the RL stage would then see no reward).
+    """
+    from evaluate import build_prompt_ids
+
+    pairs, dropped, longest = [], 0, 0
+    for example in examples:
+        prompt = build_prompt_ids(tokenizer, example["problem"])
+        completion = tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        if len(prompt) + len(completion) > max_tokens:
+            dropped += 1
+            continue
+        pairs.append((prompt, completion))
+        longest = max(longest, len(prompt) + len(completion))
+        if max_samples and len(pairs) >= max_samples:
+            break
+    stats = {"kept": len(pairs), "dropped_too_long": dropped, "max_tokens": max_tokens, "longest_kept": longest}
+    if not pairs:
+        raise SystemExit(f"error: no SFT example fits in {max_tokens} tokens (prompt + completion); "
+                         "raise --sft-max-tokens or --max-seq-len")
+    return pairs, stats
 
 
 class PromptSampler:
@@ -556,7 +610,7 @@ def device_and_dtype() -> tuple[torch.device, torch.dtype]:
 
 
 def attention_implementation() -> str:
-    """flash-attention 2 on CUDA when installed, else PyTorch's SDPA."""
+    """flash-attention 2 on CUDA when installed (and built for this torch), else PyTorch's SDPA."""
     if torch.cuda.is_available():
         try:
             import flash_attn  # noqa: F401
@@ -564,7 +618,22 @@ def attention_implementation() -> str:
             return "flash_attention_2"
         except ImportError:
             pass
+        except Exception as error:  # a wheel built for another torch fails at import (undefined symbols)
+            tqdm.write(f"note: flash-attn does not load ({type(error).__name__}); using PyTorch SDPA")
     return "sdpa"
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each layer's activations in the backward: one layer input per token is kept
+    instead of all activations (a 7B Qwen2 keeps ~6 MB per token without it).
+
+    With LoRA the embedding output has no gradient of its own, so a hook marks it as needing one
+    (transformers' ``enable_input_require_grads``, what peft's k-bit preparation does): without
+    it a reentrant checkpoint would see no input that needs a gradient and drop the adapters'.
+    """
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    model.config.use_cache = False
 
 
 def load_base_model(path: str, gradient_checkpointing: bool = False):
@@ -581,8 +650,7 @@ def load_base_model(path: str, gradient_checkpointing: bool = False):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
+        enable_gradient_checkpointing(model)
     return model.to(device), tokenizer
 
 
@@ -618,6 +686,64 @@ def make_optimizer(model, lr: float, weight_decay: float, total_steps: int, warm
         return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def full_finetune_bytes(num_parameters: int, dtype_bytes: int, with_reference: bool, with_engine: bool) -> int:
+    """Memory that full fine-tuning holds for its weights alone: the weights, their gradients,
+    AdamW's two moments (PyTorch keeps them in the weights' dtype), the frozen reference copy (when
+    there is a KL anchor) and the colocated engine's copy. Activations come on top.
+
+    >>> round(full_finetune_bytes(7_615_616_512, 2, with_reference=True, with_engine=True) / 1e9)  # Qwen2.5-7B, bf16
+    91
+    """
+    copies = 4 + int(with_reference) + int(with_engine)
+    return num_parameters * dtype_bytes * copies
+
+
+def check_full_finetune_fits(config: Config) -> None:
+    """Refuse --full-finetune, before anything is loaded, when the weights alone would not fit the
+    device (a 7B model needs ~91 GB in bf16): a one-line error naming what would fit."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        model_config = AutoConfig.from_pretrained(config.model)
+    except (OSError, ValueError):
+        return  # load_base_model reports an unreadable model
+    with torch.device("meta"):
+        num_parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters())
+    device, dtype = device_and_dtype()
+    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    if device.type == "cuda":
+        available, where = torch.cuda.get_device_properties(0).total_memory, "the GPU has"
+    else:
+        import psutil
+
+        available, where = psutil.virtual_memory().total, "this machine has"
+    with_reference = config.kl != "none" and config.beta > 0
+    needed = full_finetune_bytes(num_parameters, dtype_bytes, with_reference, config.backend == "vllm")
+    if needed > 0.9 * available:
+        largest = 0.9 * available / full_finetune_bytes(1, dtype_bytes, with_reference, config.backend == "vllm")
+        raise SystemExit(
+            f"error: --full-finetune of a {num_parameters / 1e9:.1f}B-parameter model needs about {needed / 1e9:.0f} GB "
+            f"for weights, gradients, AdamW states{', a frozen reference' if with_reference else ''}"
+            f"{' and the engine copy' if config.backend == 'vllm' else ''}, but {where} {available / 1e9:.0f} GB: "
+            f"drop --full-finetune (LoRA, the paper's setting) or use a model of at most {largest / 1e9:.1f}B parameters"
+        )
+
+
+def engine_limits(config: Config) -> dict:
+    """vLLM's batch limits from the run's own batch. Its start-up profiles a forward pass of
+    max_num_seqs sequences and max_num_batched_tokens tokens and gives the KV cache what is left,
+    so its defaults (256 sequences, 8k+ tokens) would take memory a 64-sequence step never uses.
+
+    >>> engine_limits(Config(prompts_per_step=8, rollouts=8, max_prompt_len=512, max_seq_len=2048))
+    {'max_num_seqs': 64, 'max_num_batched_tokens': 4096}
+    """
+    sequences = config.prompts_per_step * config.rollouts
+    # One step's prefill: its distinct prompts (the G copies of a prompt share its KV blocks),
+    # and at least one whole sequence (the CPU engine prefills without chunking).
+    tokens = max(config.prompts_per_step * config.max_prompt_len, config.max_seq_len, sequences)
+    return {"max_num_seqs": sequences, "max_num_batched_tokens": tokens}
 
 
 # --------------------------------------------------------------------------------------------
@@ -677,25 +803,14 @@ def completion_logps(model, batch: dict, temperature: float, min_p: float) -> tu
 # --------------------------------------------------------------------------------------------
 
 
-def sft(model, tokenizer, examples: list[dict], config: Config, epochs: int, lr: float, batch_size: int,
-        warmup_steps: int, progress: bool = True) -> list[float]:
+def sft(model, pairs: list[tuple[list[int], list[int]]], pad_token_id: int, config: Config, epochs: int, lr: float,
+        batch_size: int, warmup_steps: int, progress: bool = True) -> list[float]:
     """Supervised fine-tuning on completion tokens only; returns the per-step losses.
 
     Paper (Table 7): 2 epochs, batch 1, lr 2e-4, linear schedule, 5 warmup steps, weight decay 0.01,
-    only examples whose prompt is at most half the max length.
+    on examples whose whole text is at most half the max length (``tokenize_sft_examples``).
     """
-    from evaluate import build_prompt_ids
-    from tqdm import tqdm
-
     device = next(model.parameters()).device
-    pairs = []
-    for example in examples:
-        prompt = build_prompt_ids(tokenizer, example["problem"])
-        completion = tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        if len(prompt) <= config.max_seq_len // 2:
-            pairs.append((prompt, completion[: config.max_seq_len - len(prompt)]))
-    if not pairs:
-        raise SystemExit("error: no SFT example has a prompt within half of --max-seq-len")
     total_steps = epochs * math.ceil(len(pairs) / batch_size)
     optimizer, scheduler = make_optimizer(model, lr, config.weight_decay, total_steps, warmup_steps)
     rng, losses = random.Random(config.seed), []
@@ -706,7 +821,7 @@ def sft(model, tokenizer, examples: list[dict], config: Config, epochs: int, lr:
             rng.shuffle(order)
             for start in range(0, len(order), batch_size):
                 chosen = [pairs[i] for i in order[start : start + batch_size]]
-                batch = collate([p for p, _ in chosen], [c for _, c in chosen], tokenizer.pad_token_id, device)
+                batch = collate([p for p, _ in chosen], [c for _, c in chosen], pad_token_id, device)
                 logps, _ = completion_logps(model, batch, 1.0, 0.0)
                 mask = batch["completion_mask"]
                 step_loss = -(logps * mask).sum() / mask.sum()
@@ -834,6 +949,25 @@ def reference_and_old_logps(policy, frozen_reference, batch: dict, config: Confi
     return fixed
 
 
+def return_shaped_advantages(rewards: torch.Tensor, chunks: list[list[int]], batches: list[dict], fixed: list[dict],
+                             config: Config, guide_config: guides.GuideConfig, guide_generator: torch.Generator,
+                             step: int) -> torch.Tensor:
+    """``--kl-estimator k1_return`` (realizes Eq. 4): the guide's log q first, then each reward
+    minus beta times its completion's sequence-level k1 against p~ (Eq. 8), then the advantages.
+
+    rewards: [N] on the CPU (the grader's); the log-probs in ``fixed`` live on the model's device,
+    so each micro-batch's shaped rewards come back to the CPU before they meet. Stores each
+    micro-batch's log_q in ``fixed`` for the loss.
+    """
+    shaped = []
+    for chunk, batch, fixed_part in zip(chunks, batches, fixed):
+        fixed_part["log_q"] = guides.compute_log_q(guide_config, fixed_part["old_logps"], fixed_part["entropies"],
+                                                   batch["completion_mask"], step, config.steps, guide_generator)
+        shaped.append(loss.kl_shaped_rewards(rewards[chunk], fixed_part["old_logps"], fixed_part["ref_logps"],
+                                             fixed_part["log_q"], batch["completion_mask"], config.beta).cpu())
+    return loss.compute_advantages(torch.cat(shaped), config.rollouts, config.advantage)
+
+
 def micro_batch_weight(aggregation: str, micro_rows: int, total_rows: int, num_micro_batches: int) -> float:
     """Scale of a micro-batch's aggregated loss so the accumulated gradient is that of the whole step.
 
@@ -865,15 +999,8 @@ def update_policy(policy, frozen_reference, optimizer, rollouts: Rollouts, advan
         batches.append(batch)
         fixed.append(reference_and_old_logps(policy, frozen_reference, batch, config, need_old))
     if config.kl_estimator == "k1_return" and config.kl == "reverse" and config.beta > 0:
-        # Sequence-level k1 in the return (realizes Eq. 4): the guide is needed before the advantage.
-        shaped = []
-        for batch, fixed_part in zip(batches, fixed):
-            fixed_part["log_q"] = guides.compute_log_q(guide_config, fixed_part["old_logps"], fixed_part["entropies"],
-                                                       batch["completion_mask"], step, config.steps, guide_generator)
-            shaped.append(loss.kl_shaped_rewards(rollouts.rewards.new_zeros(batch["completion_mask"].shape[0]),
-                                                 fixed_part["old_logps"], fixed_part["ref_logps"], fixed_part["log_q"],
-                                                 batch["completion_mask"], config.beta))
-        advantages = loss.compute_advantages(rollouts.rewards + torch.cat(shaped).cpu(), config.rollouts, config.advantage)
+        advantages = return_shaped_advantages(rollouts.rewards, chunks, batches, fixed, config, guide_config,
+                                              guide_generator, step)
 
     policy.train()
     metric_sums: dict[str, float] = {}  # row-weighted means over micro-batches
@@ -1105,7 +1232,8 @@ def prepare_demo_model(config: Config, run_dir: str) -> tuple[str, list[dict], l
         if rng.random() < config.demo_sft_noise:
             answer = str(int(answer) + rng.choice([-2, -1, 1, 2]))
         examples.append({"problem": problem["problem"], "completion": format_completion(problem["working"], answer)})
-    sft(model, tokenizer, examples, config, config.sft_epochs, config.sft_lr, config.sft_batch_size,
+    pairs, _ = tokenize_sft_examples(tokenizer, examples, config.max_seq_len)
+    sft(model, pairs, tokenizer.pad_token_id, config, config.sft_epochs, config.sft_lr, config.sft_batch_size,
         config.sft_warmup_steps)
     temporary = base_dir + ".tmp"
     shutil.rmtree(temporary, ignore_errors=True)
@@ -1118,8 +1246,6 @@ def prepare_demo_model(config: Config, run_dir: str) -> tuple[str, list[dict], l
 
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(argv)
-    from tqdm import tqdm
-
     import evaluate
     from rollout import make_engine
 
@@ -1130,6 +1256,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"error: {run_dir} already holds a checkpoint; pass --resume to continue it or --name for a new run")
     if config.resume and not os.path.exists(os.path.join(run_dir, "checkpoint", "trainer_state.pt")):
         raise SystemExit(f"error: --resume but no checkpoint in {run_dir}/checkpoint; drop --resume to start fresh")
+    if config.full_finetune and config.model:
+        check_full_finetune_fits(config)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     with open(os.path.join(run_dir, "config.json"), "w") as handle:
@@ -1137,6 +1265,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     # ---- data and the base model (SFT first when asked) ----
     held_out = None
+    if config.sft_only:
+        return {"sft_model": run_sft_stage(config, run_dir)}
     if config.model:
         rows = load_rows(config.dataset, config.dataset_config)
         problems = training_problems(rows, config.problem_key, config.answer_key, config.max_train_samples, config.dataset)
@@ -1181,7 +1311,8 @@ def main(argv: list[str] | None = None) -> dict:
     engine_dtype = "bfloat16" if device_and_dtype()[1] == torch.bfloat16 else "float32"  # the trainer's
     engine = make_engine(base_path, config.backend, max_model_len=config.max_seq_len, seed=config.seed, dtype=engine_dtype,
                          gpu_memory_utilization=config.gpu_memory_utilization,
-                         model=policy if config.backend == "hf" else None)
+                         model=policy if config.backend == "hf" else None,
+                         **(engine_limits(config) if config.backend == "vllm" else {}))
     if config.resume:
         engine.sync_weights(policy)
     summary, before_path = {}, os.path.join(run_dir, "passk_before.json")
@@ -1223,7 +1354,7 @@ def main(argv: list[str] | None = None) -> dict:
             limit = config.prompts_per_step * config.rollouts
             rollouts = select_groups(merged, list(range(min(len(merged.answers), limit) // config.rollouts)), config.rollouts)
         rollout_s = time.perf_counter() - started
-        engine.sleep()  # CUDA: free the engine's memory for the update (sync_weights wakes it); CPU: no-op
+        engine.sleep(level=2)  # CUDA: drop the engine's weights and KV cache for the update; CPU: no-op
         zero_reward_streak = zero_reward_streak + 1 if rollouts.rewards.numel() == 0 or rollouts.rewards.max() <= 0 else 0
         if zero_reward_streak == config.zero_reward_warning:
             tqdm.write(f"warning: {zero_reward_streak} steps in a row with all-zero rewards: no learning signal; "
@@ -1271,10 +1402,22 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def run_sft_stage(config: Config, run_dir: str) -> str:
-    """SFT with LoRA (App. E.2), merged into the base and saved as <run>/sft_model for RL."""
+    """SFT with LoRA (App. E.2), merged into the base and saved as <run>/sft_model for RL.
+
+    <run>/sft_stats.json records how many examples were kept and how many were dropped (a
+    non-numeric answer, or longer than --sft-max-tokens).
+    """
+    import evaluate
+
     model, tokenizer = load_base_model(config.model, config.gradient_checkpointing)
+    examples, not_numeric = sft_examples(config)
+    max_tokens = config.sft_max_tokens or config.max_seq_len // 2
+    pairs, stats = tokenize_sft_examples(tokenizer, examples, max_tokens, config.sft_max_samples)
+    evaluate.write_json_atomic(os.path.join(run_dir, "sft_stats.json"), {**stats, "dropped_not_numeric": not_numeric})
+    tqdm.write(f"sft: {stats['kept']} examples of at most {max_tokens} tokens "
+               f"({stats['dropped_too_long']} longer ones and {not_numeric} non-numeric ones dropped)")
     model = wrap_lora(model, config.lora_rank, config.lora_alpha)
-    sft(model, tokenizer, sft_examples(config), config, config.sft_epochs, config.sft_lr, config.sft_batch_size,
+    sft(model, pairs, tokenizer.pad_token_id, config, config.sft_epochs, config.sft_lr, config.sft_batch_size,
         config.sft_warmup_steps)
     merged = model.merge_and_unload()
     final = os.path.join(run_dir, "sft_model")
@@ -1284,7 +1427,18 @@ def run_sft_stage(config: Config, run_dir: str) -> str:
     tokenizer.save_pretrained(temporary)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(temporary, final)
+    del model, merged
+    release_accelerator_memory()
     return final
+
+
+def release_accelerator_memory() -> None:
+    """Return freed GPU memory to the driver (the SFT model before RL loads its own)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def make_tensorboard_writer(run_dir: str):

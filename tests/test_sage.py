@@ -252,6 +252,102 @@ def test_sft_lowers_the_loss(tiny):
     model = sage.build_tiny_model(tokenizer, max_position_embeddings=160, seed=3)
     config = sage.Config(max_seq_len=160)
     examples = [{"problem": "What is 1 + 2?", "completion": sage.format_completion("1+2=3", "3")}] * 8
-    losses = sage.sft(model, tokenizer, examples, config, epochs=3, lr=3e-3, batch_size=4, warmup_steps=1,
+    pairs, _ = sage.tokenize_sft_examples(tokenizer, examples, max_tokens=160)
+    losses = sage.sft(model, pairs, tokenizer.pad_token_id, config, epochs=3, lr=3e-3, batch_size=4, warmup_steps=1,
                       progress=False)
     assert losses[-1] < 0.5 * losses[0]
+
+
+# ---- the paper's run on one GPU node: what a first run would hit ----
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_sft_examples_are_never_cut_and_keep_the_closing_format(tmp_path, tiny):
+    """OpenMathReasoning rows run to thousands of tokens: a cut example would lose </SOLUTION> and
+    EOS and teach the model not to close the format. Long rows are dropped whole instead."""
+    _, tokenizer = tiny
+    rows = [
+        {"problem": "What is 2 + 2?", "generated_solution": "<think>\n2+2=4\n</think>\nSo it is 4.", "expected_answer": "4"},
+        {"problem": "What is 3 + 4?", "generated_solution": "<think>" + "3+4 " * 200 + "</think>", "expected_answer": "7"},
+        {"problem": "Name the sum.", "generated_solution": "It is seven.", "expected_answer": "seven"},
+        {"problem": "What is 1 + 5?", "generated_solution": "1+5=6", "expected_answer": "6"},
+    ]
+    config = sage.Config(model="m", sft_dataset=write_jsonl(tmp_path / "sft.jsonl", rows))
+    examples, not_numeric = sage.sft_examples(config)
+    assert not_numeric == 1 and len(examples) == 3
+    pairs, stats = sage.tokenize_sft_examples(tokenizer, examples, max_tokens=128)
+    assert stats["kept"] == 2 and stats["dropped_too_long"] == 1 and stats["max_tokens"] == 128
+    closing = tokenizer("</SOLUTION>", add_special_tokens=False)["input_ids"]
+    for prompt, completion in pairs:
+        assert len(prompt) + len(completion) <= 128
+        assert completion[-1] == tokenizer.eos_token_id
+        assert completion[-1 - len(closing) : -1] == closing
+        assert "think>" not in tokenizer.decode(completion)
+    assert tokenizer.decode(pairs[0][1][:-1]).startswith("<start_working_out>2+2=4")
+    first, _ = sage.tokenize_sft_examples(tokenizer, examples, max_tokens=128, max_samples=1)
+    assert first == pairs[:1]
+    with pytest.raises(SystemExit, match="no SFT example fits in 10 tokens"):
+        sage.tokenize_sft_examples(tokenizer, examples, max_tokens=10)
+
+
+def test_model_runs_default_to_settings_that_fit_one_gpu_and_help_says_so(capsys):
+    config = sage.parse_config(["--model", "Qwen/Qwen2.5-Math-7B"])
+    assert config.gradient_checkpointing and config.micro_batch_size == 4 and config.sft_max_samples == 500
+    demo = sage.parse_config([])
+    assert not demo.gradient_checkpointing and demo.micro_batch_size == sage.DEMO["micro_batch_size"]
+    with pytest.raises(SystemExit):
+        sage.parse_config(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "gradient checkpointing on, micro-batch 4" in help_text
+
+
+def test_gradient_checkpointing_keeps_the_lora_gradient(tmp_path):
+    """With the adapters the only trainable weights, checkpointed layers must still pass them a
+    gradient (the input-gradient hook) and the same one as without checkpointing."""
+    model_dir = sage.save_tiny_model(tmp_path / "model", max_position_embeddings=160)
+    gradients = []
+    for checkpointing in (False, True):
+        model, tokenizer = sage.load_base_model(model_dir, gradient_checkpointing=checkpointing)
+        torch.manual_seed(0)
+        policy = sage.wrap_lora(model, rank=4, alpha=8)
+        with torch.no_grad():  # a nonzero B, so every adapter weight gets a gradient
+            for name, parameter in policy.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(generator=torch.Generator().manual_seed(len(name)))
+        policy.train()
+        prompt, completion = tokenizer("What is 3 + 4?")["input_ids"], tokenizer("3+4=7")["input_ids"]
+        batch = sage.collate([prompt, prompt[2:]], [completion, completion[:3]], tokenizer.pad_token_id, "cpu")
+        logps, _ = sage.completion_logps(policy, batch, 1.0, 0.0)
+        (logps * batch["completion_mask"]).sum().backward()
+        gradients.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad})
+    assert gradients[1].keys() == gradients[0].keys() and all(g.abs().sum() > 0 for g in gradients[1].values())
+    for name in gradients[0]:
+        torch.testing.assert_close(gradients[1][name], gradients[0][name], atol=1e-5, rtol=1e-4)
+
+
+def test_k1_return_shaping_keeps_every_tensor_on_the_log_probs_device():
+    """On a GPU the rewards come from the grader on the CPU and the log-probs from the model on the
+    GPU. A fake CUDA device (PyTorch's FakeTensorMode, no GPU needed) raises on any op that mixes
+    the two, so this runs the k1_return path as the trainer does on a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0])  # the grader's, on the CPU
+    config = sage.Config(model="m", rollouts=3, advantage="rloo", kl="reverse", kl_estimator="k1_return", steps=10)
+    for guide in guides.GUIDES:
+        guide_config = guides.GuideConfig(name=guide, tau=0.5)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            batches, fixed = [], []
+            for rows in (4, 2):
+                mask = torch.ones(rows, 5, device="cuda")
+                batches.append({"completion_mask": mask})
+                fixed.append({"old_logps": -torch.rand(rows, 5, device="cuda"),
+                              "entropies": torch.rand(rows, 5, device="cuda") * 2,
+                              "ref_logps": -torch.rand(rows, 5, device="cuda")})
+            advantages = sage.return_shaped_advantages(rewards, [[0, 1, 2, 3], [4, 5]], batches, fixed, config,
+                                                       guide_config, torch.Generator().manual_seed(0), step=0)
+            assert advantages.shape == (6,)
+            assert all(part["log_q"].device.type == "cuda" for part in fixed)

@@ -19,8 +19,9 @@ TINY = [
 ]
 
 
-def run_sage(args, out, timeout=900):
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+def run_sage(args, out, timeout=900, **env_overrides):
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           **env_overrides}
     return subprocess.run([sys.executable, os.path.join(REPO, "sage.py"), "--out", str(out), *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
@@ -34,7 +35,10 @@ def read_metrics(run_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("algo, guide", [("grpo", "none"), ("dapo", "random"), ("bnpo", "token"), ("dr_grpo", "branch")])
 def test_two_step_cli_run(tmp_path, algo, guide):
-    result = run_sage([*TINY, "--algo", algo, "--guide", guide, "--name", "run"], tmp_path)
+    # One run with the multiprocessing engine asked for: the trainer must keep its engine in-process.
+    multiprocessing = "1" if algo == "grpo" else "0"
+    result = run_sage([*TINY, "--algo", algo, "--guide", guide, "--name", "run"], tmp_path,
+                      VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "run"
     metrics = read_metrics(run_dir)
@@ -93,3 +97,31 @@ def test_bad_input_gives_one_clear_line(tmp_path, args, message):
 def test_resume_without_checkpoint_and_rerun_over_checkpoint_are_errors(tmp_path):
     result = run_sage([*TINY, "--resume", "--name", "fresh"], tmp_path, timeout=300)
     assert result.returncode != 0 and "no checkpoint" in result.stderr.strip().splitlines()[-1]
+
+
+def test_full_finetune_of_a_7b_model_is_refused_before_loading_anything(tmp_path):
+    """A 7B model's weights, gradients, AdamW states, reference and engine copy exceed one GPU (and
+    this machine): one line naming what fits, from the config alone (the directory has no weights)."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False).save_pretrained(tmp_path / "7b")
+    result = run_sage(["--model", str(tmp_path / "7b"), "--full-finetune", "--name", "full"], tmp_path, timeout=300)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "--full-finetune of a 7.6B-parameter model needs about" in last and "drop --full-finetune" in last
+
+
+def test_sft_only_writes_the_sft_model_and_its_stats(tmp_path, tiny_model_dir):
+    """Table 1's recipe runs SFT once (--sft-only) and starts every RL row from its model."""
+    rows = [{"problem": f"What is {a} + 2?", "generated_solution": f"<think>{a}+2={a + 2}</think>",
+             "expected_answer": str(a + 2)} for a in range(6)]
+    rows.append({"problem": "Long", "generated_solution": "1+1=2 " * 300, "expected_answer": "2"})
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = run_sage(["--model", tiny_model_dir, "--sft-dataset", str(tmp_path / "sft.jsonl"), "--sft-only",
+                       "--sft-epochs", "1", "--max-seq-len", "256", "--max-prompt-len", "128", "--name", "sft"], tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stats = json.loads((tmp_path / "sft" / "sft_stats.json").read_text())
+    assert stats["kept"] == 6 and stats["dropped_too_long"] == 1 and stats["max_tokens"] == 128
+    assert (tmp_path / "sft" / "sft_model" / "config.json").exists()
+    assert not (tmp_path / "sft" / "metrics.jsonl").exists()
