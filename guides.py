@@ -1,4 +1,4 @@
-"""Guide functions q(x, y) of SAGE (paper section 4.3, SPEC section 3).
+"""Guide functions q(x, y) of SAGE (paper section 4.3, Eqs. 9-12).
 
 SAGE replaces the reverse-KL anchor pi_ref by the unnormalized p~ = pi_ref * q (Eq. 3, 5) and,
 because q factorizes over tokens (Eq. 7), the whole method needs only a per-token
@@ -16,10 +16,9 @@ Conventions that matter:
 * The guide is a fixed anchor during an update (Eq. 3): ``log_q`` is computed under
   ``torch.no_grad()`` from detached signals, once per optimizer step, and never carries a
   gradient.
-* Schedules (cosine decay over N cycles, SPEC section 3) are *pure functions of the optimizer
+* Schedules (cosine decay over N cycles, section 4.3) are *pure functions of the optimizer
   step*. Nothing here counts calls, so a trainer that runs several micro-batches per step cannot
-  advance the schedule too fast. (The authors' code advances it once per micro-batch: SPEC
-  section 8, last item.)
+  advance the schedule too fast. (The authors' code advances it once per micro-batch.)
 * The signals (surprisal -log pi(y_t), entropy H_t) come from the policy's own forward pass
   (``loss.token_logps_and_entropies``); the guide adds no forward pass.
 * Randomness (xi_t, the eps coin) is drawn from a caller-supplied ``torch.Generator`` so that a
@@ -39,7 +38,7 @@ NORMALIZATIONS = ("percentile", "rank", "sigmoid")
 
 @dataclass(frozen=True)
 class GuideConfig:
-    """Parameters of every guide; defaults are the paper's (SPEC sections 3 and 5)."""
+    """Parameters of every guide; the defaults are the paper's (section 4.3, App. D)."""
 
     name: str = "none"
     """Which guide: none | random (Eq. 9) | token (Eq. 10) | branch (Eq. 11)."""
@@ -88,7 +87,7 @@ class GuideConfig:
 
 
 # --------------------------------------------------------------------------------------------
-# The cosine schedule with decaying restarts (SPEC section 3)
+# The cosine schedule with decaying restarts (section 4.3)
 # --------------------------------------------------------------------------------------------
 
 

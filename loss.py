@@ -2,13 +2,16 @@
 
 Read top to bottom, this is one update's arithmetic:
 
-1. ``token_logps_and_entropies`` -- per-token log pi(y_t | y_<t) of the sampled tokens and the
-   full-vocabulary entropies H_t (Eq. 12) from the logits, temperature-scaled and optionally with
-   the sampler's min-p mask replayed (SPEC section 8). It works in row chunks with a hand-written
-   backward, so no float32 [batch, length, vocab] tensor is ever materialized besides the
-   gradient the caller's logits need anyway.
+1. Log-probs and entropies: per-token log pi(y_t | y_<t) of the sampled tokens and the
+   full-vocabulary entropies H_t (Eq. 12) from the logits, temperature-scaled and with the
+   sampler's min-p mask replayed (the update must see the distribution the tokens were sampled
+   from). ``plain_token_logps_and_entropies`` is the definition, a few lines over the whole
+   [batch, length, vocab] tensor; ``token_logps_and_entropies`` computes the same in row chunks
+   with a hand-written backward, so no float32 tensor of that size is ever materialized besides
+   the gradient the caller's logits need anyway. ``completion_logps`` runs a model on a batch
+   made by ``collate`` and projects only the completion positions to the vocabulary.
 2. Advantages: GRPO (std-normalized), Dr. GRPO (mean only), RLOO (leave-one-out) and BNPO
-   (Beta-normalized, Xiao et al. 2025 -- an *advantage*, SPEC section 8).
+   (Beta-normalized, Xiao et al. 2025, arXiv 2506.02864 -- an *advantage*).
 3. The clipped surrogate with separate eps_low and eps_high (PPO / DAPO clip-higher).
 4. The anchor penalty against the pseudo-reference log p~_t = ref_logps_t + log_q_t (Eq. 5, 8),
    with Schulman's estimators, u_t = p~_t / pi_t:
@@ -16,7 +19,7 @@ Read top to bottom, this is one update's arithmetic:
                      whose fixed point is Eq. 4 on multi-token completions),
        k2 = (log u)^2 / 2 in the loss,
        k3 = u - 1 - log u in the loss (the paper's App. E.5 and its public code; its gradient is
-            that of the *forward* divergence, SPEC section 4),
+            that of the *forward* divergence: toy/ proves it),
        ratio_k3 = (pi / stop_grad(pi)) * k3 in the loss (same gradient as k2);
    the forward-KL baseline beta * (u log u - u + 1); or none.
 5. Aggregation over tokens: per-sequence token mean (grpo), batch token mean (TRL's "bnpo" loss
@@ -27,7 +30,7 @@ Read top to bottom, this is one update's arithmetic:
 Deviations from TRL's GRPOTrainer: the min-p mask is replayed (TRL ignores it, so its ratio is
 off-policy whenever min_p > 0); BNPO is the paper's advantage, not an aggregation; the logged KL
 is split into the true reverse-KL estimate against pi_ref and the k3 offset that q adds
-(E[k3] = KL + Z - 1 - log Z, SPEC section 8).
+(E[k3] = KL + Z - 1 - log Z, with Z the anchor's mass at a position).
 """
 
 from __future__ import annotations
@@ -59,8 +62,34 @@ def default_chunk_rows(vocab: int, device: torch.device) -> int:
 
 
 # --------------------------------------------------------------------------------------------
-# 1. Per-token log-probs and entropies from logits, chunked
+# 1. Per-token log-probs and entropies from logits: the definition, then the chunked version
 # --------------------------------------------------------------------------------------------
+
+
+def plain_token_logps_and_entropies(
+    logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, min_p: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition: log pi(y_t) and H_t (Eq. 12) over the whole [..., V] logits, in float32.
+
+    pi_T = softmax(logits / T). The entropy is that of the full pi_T. The sampler's min-p keeps
+    the tokens with pi_T(v) >= min_p * max_v pi_T(v) and renormalizes; the sampled token was kept
+    by the sampler, so it counts as kept even where float rounding puts it at the threshold.
+
+    >>> logits = torch.tensor([[0.0, 0.0, 0.0, 0.0]])      # uniform over 4 tokens
+    >>> logps, entropies = plain_token_logps_and_entropies(logits, torch.tensor([2]))
+    >>> round(logps.item(), 4), round(entropies.item(), 4)  # log(1/4), log 4
+    (-1.3863, 1.3863)
+    """
+    z = logits.float() / temperature  # [..., V]
+    log_probs = z.log_softmax(dim=-1)
+    probs = log_probs.exp()
+    entropies = -torch.where(probs > 0, probs * log_probs, 0.0).sum(dim=-1)
+    if min_p > 0.0:
+        kept = log_probs >= math.log(min_p) + log_probs.amax(dim=-1, keepdim=True)
+        kept = kept.scatter(-1, token_ids[..., None], True)
+        log_probs = z.masked_fill(~kept, float("-inf")).log_softmax(dim=-1)
+    return log_probs.gather(-1, token_ids[..., None]).squeeze(-1), entropies.detach()
+
 
 
 def _scaled_rows(logits_rows: torch.Tensor, temperature: float, buffer: torch.Tensor) -> torch.Tensor:
@@ -80,7 +109,7 @@ class _TokenLogProbs(torch.autograd.Function):
     Each chunk works in preallocated float32 buffers with in-place ops, so the work space is a few
     chunks of rows whatever the input size, and no allocation happens inside the loop.
     min-p keeps v with pi_T(v) >= min_p * max_v pi_T(v), i.e. exp(z_v - max z) >= min_p, exactly
-    as the sampler does after temperature (SPEC section 8).
+    as the sampler does after temperature.
     """
 
     @staticmethod
@@ -197,7 +226,7 @@ def token_logps_and_entropies(
         token_ids: [...] the sampled tokens.
         temperature: the sampler's temperature T; log-probs are those of softmax(logits / T).
         min_p: the sampler's min-p; > 0 replays its mask so the log-probs are those of the
-            truncated, renormalized behaviour policy (SPEC section 8). The sampled token always
+            truncated, renormalized behaviour policy. The sampled token always
             counts as kept, so its log-prob is finite even at the threshold.
         chunk_rows: rows per chunk (default ``default_chunk_rows``: 8 MiB of float32 work space
             per buffer on CPU, 64 MiB on a GPU).
@@ -240,6 +269,59 @@ def token_logps_and_entropies(
     return logps.view(token_ids.shape), entropies.view(token_ids.shape)
 
 
+def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device) -> dict:
+    """Left-padded prompts + right-padded completions in one [B, P + C] batch.
+
+    position_ids count real tokens only, so a left-padded row sees the positions the engine saw.
+
+    >>> batch = collate([[5, 6], [7]], [[8], [9, 10]], pad_id=0, device="cpu")
+    >>> batch["input_ids"].tolist(), batch["completion_mask"].tolist()
+    ([[5, 6, 8, 0], [0, 7, 9, 10]], [[1.0, 0.0], [1.0, 1.0]])
+    >>> batch["position_ids"].tolist()
+    [[0, 1, 2, 2], [0, 0, 1, 2]]
+    """
+    prompt_len = max(map(len, prompts))
+    completion_len = max(1, max(map(len, completions)))
+    batch = len(prompts)
+    input_ids = torch.full((batch, prompt_len + completion_len), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    completion_mask = torch.zeros(batch, completion_len)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        start = prompt_len - len(prompt)
+        input_ids[row, start:prompt_len] = torch.tensor(prompt)
+        input_ids[row, prompt_len : prompt_len + len(completion)] = torch.tensor(completion, dtype=torch.long)
+        attention_mask[row, start : prompt_len + len(completion)] = 1
+        completion_mask[row, : len(completion)] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+    return {
+        "input_ids": input_ids.to(device),
+        "attention_mask": attention_mask.to(device),
+        "position_ids": position_ids.to(device),
+        "completion_ids": input_ids[:, prompt_len:].to(device),  # [B, C]
+        "completion_mask": completion_mask.to(device),  # [B, C]
+    }
+
+
+def completion_logps(model, batch: dict, temperature: float, min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """log pi(y_t) [B, C] (with the sampler's temperature and min-p replayed) and entropies H_t [B, C].
+
+    Only the C positions that predict completion tokens are projected to the vocabulary
+    (``logits_to_keep`` as indices), so the logits arrive contiguous and are never sliced or copied.
+    """
+    completion_ids = batch["completion_ids"]
+    prompt_len, completion_len = batch["input_ids"].shape[1] - completion_ids.shape[1], completion_ids.shape[1]
+    predicting = torch.arange(prompt_len - 1, prompt_len + completion_len - 1, device=completion_ids.device)
+    outputs = model(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        position_ids=batch["position_ids"],
+        logits_to_keep=predicting,
+        use_cache=False,
+    )
+    logits = outputs.logits  # [B, C, V]: position t's logits predict completion token t
+    return token_logps_and_entropies(logits, completion_ids, temperature, min_p)
+
+
 # --------------------------------------------------------------------------------------------
 # 2. Advantages (one scalar per completion, shared by its tokens)
 # --------------------------------------------------------------------------------------------
@@ -255,7 +337,7 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
-    """GRPO: A_i = (r_i - mean(r)) / (std(r) + eps) within each prompt's group (SPEC section 4).
+    """GRPO: A_i = (r_i - mean(r)) / (std(r) + eps) within each prompt's group (section 5).
 
     std is the unbiased (Bessel) std, as in TRL. All-equal groups give A = 0.
 
@@ -289,7 +371,7 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def bnpo_advantages(rewards: torch.Tensor, group_size: int, max_inverse_density: float = 1e6) -> torch.Tensor:
-    """BNPO (Xiao et al. 2025): A = (R - p^) / f_Beta(p^; alpha, beta) (SPEC section 8).
+    """BNPO (Xiao et al. 2025): A = (R - p^) / f_Beta(p^; alpha, beta).
 
     p^ is each group's mean reward; alpha, beta come from the batch mean mu and variance s2 of
     p^ by moments: a = mu (mu(1-mu)/s2 - 1), b = (1-mu)(mu(1-mu)/s2 - 1), alpha = max(1 + a/3, 1),
@@ -350,7 +432,7 @@ def kl_shaped_rewards(
     """Sequence return with the k1 estimator: r(y) - beta * sum_t (log pi_t - log p~_t).
 
     This is the pseudo-KL of Eq. 8 counted in the return, realizing Eq. 4 exactly with a
-    score-function gradient and a baseline (SPEC section 4): beta * sum_t log q_t acts as a bonus
+    score-function gradient and a baseline (toy/ proves it): beta * sum_t log q_t acts as a bonus
     for reaching the states the guide favours. Inputs [B, T] (detached), rewards [B] -> [B].
     """
     log_ratio = (logps.detach().float() - ref_logps.float() - log_q.float()) * completion_mask
@@ -463,18 +545,64 @@ def aggregate(
 # --------------------------------------------------------------------------------------------
 
 
-def _check_inputs(completion_mask: torch.Tensor, named: dict) -> None:
+def check_policy_loss_inputs(completion_mask: torch.Tensor, advantages: torch.Tensor, per_token: dict, kl: str,
+                             beta: float) -> None:
+    """One-line errors for inputs ``policy_loss`` cannot use: shapes, NaN/inf on completion tokens,
+    an empty mask, a missing reference."""
     shape = tuple(completion_mask.shape)
     if completion_mask.dim() != 2:
         raise ValueError(f"completion_mask must be [batch, length], got shape {shape}")
-    for name, tensor in named.items():
+    for name, tensor in per_token.items():
         if tensor is not None and tuple(tensor.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)} but completion_mask has {shape}")
     if completion_mask.sum() == 0:
         raise ValueError("completion_mask is all zeros: no completion token to train on")
-    for name, tensor in named.items():
+    for name, tensor in per_token.items():
         if tensor is not None and not torch.isfinite(tensor.detach()[completion_mask.bool()]).all():
             raise ValueError(f"{name} has NaN or inf on completion tokens (check the logits and the dtype)")
+    if advantages.shape != completion_mask.shape[:1]:
+        raise ValueError(f"advantages must be [batch] = {shape[:1]}, got {tuple(advantages.shape)}")
+    if not torch.isfinite(advantages.detach()).all():
+        raise ValueError("advantages has NaN or inf (check the rewards)")
+    if kl != "none" and beta != 0.0 and per_token.get("ref_logps") is None:
+        raise ValueError(f"kl={kl!r} with beta={beta} needs ref_logps (or set beta=0 / kl='none')")
+
+
+def loss_metrics(loss, logps, ratio, advantages, mask, eps_low, eps_high, ref_logps, anchor_logps, log_q,
+                 entropies) -> dict[str, float]:
+    """What ``policy_loss`` logs: the loss, clip fractions, entropy, KL estimates, q statistics."""
+    count = mask.sum()
+
+    def token_mean(x):
+        return ((x * mask).sum() / count).item()
+
+    advantages_2d = advantages[:, None].expand_as(ratio)
+    low = (ratio < 1.0 - eps_low) & (advantages_2d < 0)
+    high = (ratio > 1.0 + eps_high) & (advantages_2d > 0)
+    metrics = {
+        "loss": loss.item(),
+        "clip_ratio/low": token_mean(low.float()),
+        "clip_ratio/high": token_mean(high.float()),
+        "clip_ratio/region": token_mean((low | high).float()),
+    }
+    if entropies is not None:
+        metrics["entropy"] = token_mean(entropies)
+    if ref_logps is not None:
+        # True reverse-KL estimate against pi_ref (k3, no q) and against the anchor p~.
+        metrics["kl/ref_k3"] = token_mean(anchor_penalty(logps, ref_logps, "reverse", "k3"))
+        if anchor_logps is not None:
+            metrics["kl/anchor_k3"] = token_mean(anchor_penalty(logps, anchor_logps, "reverse", "k3"))
+    if log_q is not None:
+        q, valid = log_q.exp(), mask.bool()
+        metrics.update({
+            # E[k3] against p~ exceeds the KL by Z - 1 - log Z = q - 1 - log q per token.
+            "kl/k3_offset": token_mean(q - 1.0 - log_q),
+            "q/mean": token_mean(q),
+            "q/min": q[valid].min().item(),
+            "q/max": q[valid].max().item(),
+            "q/frac_active": token_mean((log_q != 0).float()),
+        })
+    return metrics
 
 
 def policy_loss(
@@ -513,86 +641,29 @@ def policy_loss(
         aggregation: grpo | batch_token_mean | dr_grpo | dapo (see ``aggregate``).
         entropies: [B, T] optional, only logged.
         importance_weights: [B, T] optional truncated importance weights
-            min(pi_old / pi_engine, C) that correct the trainer/engine mismatch (SPEC section 8).
+            min(pi_old / pi_engine, C) that correct the trainer/engine mismatch.
 
     Returns:
         (loss, metrics): the scalar loss and floats for logging.
     """
-    use_anchor = kl != "none" and beta != 0.0
-    _check_inputs(
-        completion_mask,
-        {
-            "logps": logps,
-            "old_logps": old_logps,
-            "ref_logps": ref_logps,
-            "log_q": log_q,
-            "entropies": entropies,
-            "importance_weights": importance_weights,
-        },
-    )
-    if advantages.shape != completion_mask.shape[:1]:
-        raise ValueError(
-            f"advantages must be [batch] = {tuple(completion_mask.shape[:1])}, got {tuple(advantages.shape)}"
-        )
-    if not torch.isfinite(advantages.detach()).all():
-        raise ValueError("advantages has NaN or inf (check the rewards)")
-    if use_anchor and ref_logps is None:
-        raise ValueError(f"kl={kl!r} with beta={beta} needs ref_logps (or set beta=0 / kl='none')")
+    check_policy_loss_inputs(completion_mask, advantages, {
+        "logps": logps, "old_logps": old_logps, "ref_logps": ref_logps, "log_q": log_q, "entropies": entropies,
+        "importance_weights": importance_weights}, kl, beta)
     # Only logps carries a gradient: pi_old, pi_ref and q are held fixed during the update (Eq. 3).
     # Padding is zeroed so that whatever it holds (inf, NaN) cannot leak into the loss as 0 * inf.
     padding = ~completion_mask.bool()
-
-    def fixed(x):
-        return None if x is None else x.detach().masked_fill(padding, 0.0)
-
     logps = logps.masked_fill(padding, 0.0)
-    old_logps, ref_logps, log_q = fixed(old_logps), fixed(ref_logps), fixed(log_q)
-    entropies, importance_weights = fixed(entropies), fixed(importance_weights)
-    mask = completion_mask.float()
-    surrogate, ratio = clipped_surrogate(logps, old_logps, advantages.float(), eps_low, eps_high)
-    if importance_weights is not None:
-        surrogate = surrogate * importance_weights
-    per_token = surrogate
+    old_logps, ref_logps, log_q, entropies, importance_weights = (
+        None if x is None else x.detach().masked_fill(padding, 0.0)
+        for x in (old_logps, ref_logps, log_q, entropies, importance_weights)
+    )
+    surrogate, ratio = clipped_surrogate(logps, old_logps, advantages.float(), eps_low, eps_high)  # [B, T]
+    per_token = surrogate if importance_weights is None else surrogate * importance_weights
     anchor_logps = None
-    if use_anchor:
-        anchor_logps = ref_logps + (log_q if log_q is not None else 0.0)
+    if kl != "none" and beta != 0.0:
+        anchor_logps = ref_logps + (log_q if log_q is not None else 0.0)  # log p~ = log pi_ref + log q (Eq. 5, 8)
         per_token = per_token + beta * anchor_penalty(logps, anchor_logps, kl, kl_estimator)
-    loss = aggregate(per_token, mask, aggregation, max_completion_length, global_num_tokens)
-
-    # ---- metrics (no gradient) ----
-    with torch.no_grad():
-        count = mask.sum()
-
-        def token_mean(x):
-            return ((x * mask).sum() / count).item()
-
-        advantages_2d = advantages[:, None].expand_as(ratio)
-        low = (ratio < 1.0 - eps_low) & (advantages_2d < 0)
-        high = (ratio > 1.0 + eps_high) & (advantages_2d > 0)
-        metrics = {
-            "loss": loss.item(),
-            "clip_ratio/low": token_mean(low.float()),
-            "clip_ratio/high": token_mean(high.float()),
-            "clip_ratio/region": token_mean((low | high).float()),
-        }
-        if entropies is not None:
-            metrics["entropy"] = token_mean(entropies)
-        if ref_logps is not None:
-            # True reverse-KL estimate against pi_ref (k3, no q) and against the anchor p~.
-            metrics["kl/ref_k3"] = token_mean(anchor_penalty(logps.detach(), ref_logps, "reverse", "k3"))
-            if anchor_logps is not None:
-                metrics["kl/anchor_k3"] = token_mean(anchor_penalty(logps.detach(), anchor_logps, "reverse", "k3"))
-        if log_q is not None:
-            q = log_q.exp()
-            valid = mask.bool()
-            metrics.update(
-                {
-                    # E[k3] against p~ exceeds the KL by Z - 1 - log Z = q - 1 - log q per token.
-                    "kl/k3_offset": token_mean(q - 1.0 - log_q),
-                    "q/mean": token_mean(q),
-                    "q/min": q[valid].min().item(),
-                    "q/max": q[valid].max().item(),
-                    "q/frac_active": token_mean((log_q != 0).float()),
-                }
-            )
+    loss = aggregate(per_token, completion_mask.float(), aggregation, max_completion_length, global_num_tokens)
+    metrics = loss_metrics(loss, logps.detach(), ratio.detach(), advantages, completion_mask.float(), eps_low, eps_high,
+                           ref_logps, anchor_logps, log_q, entropies)
     return loss, metrics

@@ -24,7 +24,7 @@ Facts and deviations worth knowing:
 * The log-probs are those of the distribution each token was sampled from: softmax(logits / T)
   after the min-p, top-k and top-p masks (vLLM's ``logprobs_mode="processed_logprobs"``; vLLM's
   default, which TRL uses, is the raw model's log-probs). ``loss.token_logps_and_entropies``
-  replays the same temperature and min-p, so on-policy the two agree (SPEC section 8). Greedy
+  replays the same temperature and min-p, so on-policy the two agree. Greedy
   (T = 0) reports the raw model's log-probs.
 * The sampler's order is vLLM's: temperature, min-p, top-k, top-p. transformers' own order puts
   min-p last, and top-p after min-p is not top-p before it, so the hf backend passes its
@@ -63,7 +63,16 @@ import warnings
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 import torch
+from peft import PeftModel
+from safetensors import safe_open
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
+    TopKLogitsWarper, TopPLogitsWarper,
+)
+
+# vLLM is imported where an engine starts: the hf backend runs where vLLM is not installed.
 
 BACKENDS = ("vllm", "hf")
 # On CPU, gpu_memory_utilization is the share of RAM reserved for the KV cache (see the docstring).
@@ -92,7 +101,7 @@ class RolloutError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """The sampler's settings. The paper's rollouts (SPEC section 5): n=8, temperature=1.0,
+    """The sampler's settings; the defaults are the paper's rollouts (App. E, Table 8): n=8, temperature=1.0,
     min_p=0.01, top_p=1.0, top_k off; its evaluation: temperature=0.3, top_p=0.95."""
 
     n: int = 8
@@ -103,7 +112,7 @@ class SamplingConfig:
     """Nucleus mass kept (1.0: off)."""
     top_k: int = -1
     """Most likely tokens kept (-1 or 0: off)."""
-    min_p: float = 0.0
+    min_p: float = 0.01
     """Keep v with pi_T(v) >= min_p * max pi_T (0: off)."""
     max_tokens: int = 256
     """Completion length limit; a completion cut there has finish_reason "length"."""
@@ -187,8 +196,6 @@ def load_model_config(model_path: str | os.PathLike):
     Raises ``RolloutError`` for a missing path, an unreadable config.json, no weight files, or a
     corrupt safetensors file (its header and size are checked; nothing is loaded).
     """
-    from transformers import AutoConfig
-
     path = os.fspath(model_path)
     is_local = os.path.isdir(path)
     if not is_local:
@@ -213,8 +220,6 @@ def load_model_config(model_path: str | os.PathLike):
 
 
 def _check_weight_files(path: str) -> None:
-    from safetensors import safe_open
-
     shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not shards and not glob.glob(os.path.join(path, "*.bin")):
         raise RolloutError(f"no weights in {path!r}: expected *.safetensors files written by save_pretrained")
@@ -350,10 +355,6 @@ def base_weight_name(name: str) -> str | None:
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
     return isinstance(model, PeftModel)
 
 
@@ -405,8 +406,6 @@ def cpu_kv_cache_bytes(fraction: float, config, max_model_len: int, dtype: str, 
     The most it can use is max_num_seqs sequences of max_model_len tokens; vLLM zero-fills the
     cache, so anything beyond that would be RAM held for nothing. Checked against free RAM.
     """
-    import psutil
-
     text = config.get_text_config()
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     dtype_bytes = 2 if dtype in ("bfloat16", "float16", "half") else 4  # "auto": at most float32
@@ -478,8 +477,6 @@ class VLLMEngine:
         if not on_cuda:
             check_cpu_head_size(config)
         force_in_process_engine()
-        from transformers import AutoTokenizer
-
         try:
             import vllm
         except ImportError as error:
@@ -646,8 +643,6 @@ class VLLMEngine:
 
 def sampling_processors(sampling: SamplingConfig) -> list:
     """transformers logits processors in vLLM's order: temperature, min-p, top-k, top-p."""
-    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
     if sampling.temperature == 0:
         return []  # greedy: argmax of the raw logits
     processors = []
@@ -710,8 +705,6 @@ class HFEngine:
         seed: int = 0,
         model: torch.nn.Module | None = None,
     ):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         path = os.fspath(model_path)
         config = load_model_config(path)
         self.model_path = path
@@ -769,8 +762,6 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         """[num_prompts][n] completions; prompts are left-padded into one batch."""
-        from transformers import LogitsProcessorList
-
         prompts = check_prompts(prompts, self.max_model_len, self.vocab_size)
         budgets = [min(sampling.max_tokens, self.max_model_len - len(prompt)) for prompt in prompts]
         width = max(len(prompt) for prompt in prompts)

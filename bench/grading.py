@@ -1,7 +1,7 @@
 """Pooled grading vs a serial loop, and the hard timeout on adversarial answers.
 
 1. Speed: the same 2,000 completions (250 problems x 8 rollouts, a training step's shape scaled
-   up) are graded once by a serial loop of ``evaluate.grade`` in this process and once by a
+   up) are graded once by a serial loop of ``task.grade`` in this process and once by a
    ``GradingPool`` (one worker per core), taking turns on blocks of 500 so that both meet the
    same background load. Both sides are warmed first on the same other completions
    (math-verify imported, its regexes and LaTeX parser caches built, the pool's workers
@@ -32,7 +32,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import evaluate  # noqa: E402
+import task  # noqa: E402
 
 # (reference, equivalent ways to write it, a wrong answer)
 ANSWERS = [
@@ -115,6 +115,52 @@ ADVERSARIAL = [
 ]
 
 
+def serial_vs_pooled(completions, references, warm_c, warm_r, workers: int | None, block: int) -> dict:
+    """Serial and pooled grading take turns on blocks of the same completions, so that both see the
+    same background load (this machine may be shared); each side grades all of them exactly once."""
+    started = time.perf_counter()
+    pool = task.grading_pool(num_workers=workers, timeout_s=30.0)
+    task.grade_batch(warm_c, warm_r, pool=pool)
+    pool_startup_s = time.perf_counter() - started
+    serial, pooled, serial_s, pooled_s = [], [], 0.0, 0.0
+    serial_cpu_s = pooled_cpu_s = serial_wait_s = pooled_wait_s = 0.0
+    pids = [worker.process.pid for worker in pool._workers]
+    for start in range(0, len(completions), block):
+        block_c, block_r = completions[start : start + block], references[start : start + block]
+        started, cpu, wait = time.perf_counter(), time.process_time(), runqueue_wait_s()
+        serial += [task.grade(c, r) for c, r in zip(block_c, block_r)]
+        serial_s += time.perf_counter() - started
+        serial_cpu_s += time.process_time() - cpu
+        serial_wait_s += runqueue_wait_s() - wait
+        started, cpu = time.perf_counter(), pool.worker_cpu_seconds() + time.process_time()
+        wait = sum(map(runqueue_wait_s, pids))
+        pooled += task.grade_batch(block_c, block_r, pool=pool)
+        pooled_s += time.perf_counter() - started
+        pooled_cpu_s += pool.worker_cpu_seconds() + time.process_time() - cpu
+        pooled_wait_s += sum(map(runqueue_wait_s, pids)) - wait
+    pool.close()
+    return {"serial": serial, "pooled": pooled, "serial_s": serial_s, "pooled_s": pooled_s,
+            "serial_cpu_s": serial_cpu_s, "pooled_cpu_s": pooled_cpu_s, "serial_wait_s": serial_wait_s,
+            "pooled_wait_s": pooled_wait_s, "pool_startup_s": pool_startup_s, "num_workers": pool.num_workers}
+
+
+def adversarial_run(completions, references, warm_c, warm_r, workers: int | None, timeout: float) -> dict:
+    """Adversarial items among normal ones, with a short per-item timeout."""
+    normal_c, normal_r = completions[:100], references[:100]
+    mixed_c = normal_c[:50] + [c for c, _ in ADVERSARIAL] + normal_c[50:]
+    mixed_r = normal_r[:50] + [r for _, r in ADVERSARIAL] + normal_r[50:]
+    pool = task.grading_pool(num_workers=workers, timeout_s=timeout)
+    task.grade_batch(warm_c[:8], warm_r[:8], pool=pool)
+    started = time.perf_counter()
+    mixed = task.grade_batch(mixed_c, mixed_r, pool=pool)
+    adversarial_s = time.perf_counter() - started
+    after = task.grade_batch(normal_c[:20], normal_r[:20], pool=pool)  # still usable
+    stats = dict(pool.stats)
+    pool.close()
+    return {"adversarial": mixed[50 : 50 + len(ADVERSARIAL)], "normal": mixed[:50] + mixed[50 + len(ADVERSARIAL) :],
+            "seconds": adversarial_s, "after": after, "timeouts": stats["timeouts"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=2000, help="completions graded by both sides")
@@ -124,63 +170,25 @@ def main() -> None:
     args = parser.parse_args()
 
     completions, references = make_completions(args.count)
-
     # Warm both sides on the same other items (imports, regex compilation, the LaTeX parser's
     # caches, worker start-up).
     warm_c, warm_r = make_completions(256, seed=1)
     for completion, reference in zip(warm_c, warm_r):
-        evaluate.grade(completion, reference)
-    started = time.perf_counter()
-    pool = evaluate.GradingPool(num_workers=args.workers, timeout_s=30.0)
-    pool.grade(warm_c, warm_r)
-    pool_startup_s = time.perf_counter() - started
-
-    # Serial and pooled take turns on blocks of the same completions, so that both see the same
-    # background load (this machine may be shared); each side grades all of them exactly once.
-    serial, pooled, serial_s, pooled_s = [], [], 0.0, 0.0
-    serial_cpu_s = pooled_cpu_s = serial_wait_s = pooled_wait_s = 0.0
-    workers = [worker.process.pid for worker in pool._workers]
-    for start in range(0, len(completions), args.block):
-        block_c, block_r = completions[start : start + args.block], references[start : start + args.block]
-        started, cpu, wait = time.perf_counter(), time.process_time(), runqueue_wait_s()
-        serial += [evaluate.grade(c, r) for c, r in zip(block_c, block_r)]
-        serial_s += time.perf_counter() - started
-        serial_cpu_s += time.process_time() - cpu
-        serial_wait_s += runqueue_wait_s() - wait
-        started, cpu = time.perf_counter(), pool.worker_cpu_seconds() + time.process_time()
-        wait = sum(map(runqueue_wait_s, workers))
-        pooled += pool.grade(block_c, block_r)
-        pooled_s += time.perf_counter() - started
-        pooled_cpu_s += pool.worker_cpu_seconds() + time.process_time() - cpu
-        pooled_wait_s += sum(map(runqueue_wait_s, workers)) - wait
-    pool.close()
-
-    # Adversarial items among normal ones, with a short per-item timeout.
-    normal_c, normal_r = completions[:100], references[:100]
-    mixed_c = normal_c[:50] + [c for c, _ in ADVERSARIAL] + normal_c[50:]
-    mixed_r = normal_r[:50] + [r for _, r in ADVERSARIAL] + normal_r[50:]
-    adversarial_pool = evaluate.GradingPool(num_workers=args.workers, timeout_s=args.adversarial_timeout)
-    adversarial_pool.grade(warm_c[:8], warm_r[:8])
-    started = time.perf_counter()
-    mixed = adversarial_pool.grade(mixed_c, mixed_r)
-    adversarial_s = time.perf_counter() - started
-    after = adversarial_pool.grade(normal_c[:20], normal_r[:20])  # still usable
-    stats = dict(adversarial_pool.stats)
-    adversarial_pool.close()
-    adversarial_results = mixed[50 : 50 + len(ADVERSARIAL)]
-    normal_results = mixed[:50] + mixed[50 + len(ADVERSARIAL) :]
+        task.grade(completion, reference)
+    speed = serial_vs_pooled(completions, references, warm_c, warm_r, args.workers, args.block)
+    serial, serial_s, pooled_s = speed["serial"], speed["serial_s"], speed["pooled_s"]
+    hard = adversarial_run(completions, references, warm_c, warm_r, args.workers, args.adversarial_timeout)
     # Worst case: every adversarial item runs to its timeout, one after another, plus a worker
     # restart (a fresh interpreter importing math-verify, about a second) each.
     bound_s = len(ADVERSARIAL) * (args.adversarial_timeout + 3.0) + 10.0
-
-    cores_free = free_cores(pool.num_workers)
+    cores_free = free_cores(speed["num_workers"])
     print(json.dumps({
         "num_completions": len(completions),
         # Cores that as many plain busy loops as workers obtain on this machine right now: the
         # ceiling of any speedup here (2.0 on an idle 2-core machine).
         "free_cores_measured": round(cores_free, 2),
         "load_average_1min": round(os.getloadavg()[0], 2),
-        "num_workers": pool.num_workers,
+        "num_workers": speed["num_workers"],
         "cpu_cores": len(os.sched_getaffinity(0)),
         "serial_s": round(serial_s, 3),
         "pooled_s": round(pooled_s, 3),
@@ -188,25 +196,25 @@ def main() -> None:
         "serial_ms_per_item": round(1e3 * serial_s / len(completions), 3),
         # CPU seconds spent (pooled: workers + this process): equal values mean no pool overhead,
         # so on an idle machine the speedup would approach the number of workers.
-        "serial_cpu_s": round(serial_cpu_s, 3),
-        "pooled_cpu_s": round(pooled_cpu_s, 3),
+        "serial_cpu_s": round(speed["serial_cpu_s"], 3),
+        "pooled_cpu_s": round(speed["pooled_cpu_s"], 3),
         # Time runnable but waiting for a CPU held by other processes (a shared machine): the
         # serial loop's share of its wall time, and the workers' mean share of theirs.
-        "serial_cpu_wait_fraction": round(serial_wait_s / serial_s, 3),
-        "pooled_workers_cpu_wait_fraction": round(pooled_wait_s / len(workers) / pooled_s, 3),
-        "pool_startup_s": round(pool_startup_s, 3),
-        "results_agree": serial == pooled,
+        "serial_cpu_wait_fraction": round(speed["serial_wait_s"] / serial_s, 3),
+        "pooled_workers_cpu_wait_fraction": round(speed["pooled_wait_s"] / speed["num_workers"] / pooled_s, 3),
+        "pool_startup_s": round(speed["pool_startup_s"], 3),
+        "results_agree": serial == speed["pooled"],
         "fraction_correct": round(sum(serial) / len(serial), 3),
         "adversarial_items": len(ADVERSARIAL),
         "adversarial_timeout_s": args.adversarial_timeout,
-        "adversarial_batch_s": round(adversarial_s, 3),
+        "adversarial_batch_s": round(hard["seconds"], 3),
         "adversarial_batch_bound_s": bound_s,
-        "adversarial_timeouts_counted": stats["timeouts"],
-        "adversarial_all_wrong": not any(adversarial_results),
-        "adversarial_normal_items_unchanged": normal_results == serial[:100],
+        "adversarial_timeouts_counted": hard["timeouts"],
+        "adversarial_all_wrong": not any(hard["adversarial"]),
+        "adversarial_normal_items_unchanged": hard["normal"] == serial[:100],
         "adversarial_within_timeout": (
-            not any(adversarial_results) and normal_results == serial[:100] and adversarial_s <= bound_s
-            and stats["timeouts"] >= 1 and after == serial[:20]
+            not any(hard["adversarial"]) and hard["normal"] == serial[:100] and hard["seconds"] <= bound_s
+            and hard["timeouts"] >= 1 and hard["after"] == serial[:20]
         ),
     }))
 

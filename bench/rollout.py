@@ -39,9 +39,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import demo  # noqa: E402
 import loss  # noqa: E402
 import rollout  # noqa: E402
-import sage  # noqa: E402
+import task  # noqa: E402
 
 MIN_P_TOLERANCE = 2e-4  # in logits / T; >= 3x the largest engine-trainer log-prob gap without min-p
 QUESTIONS = (
@@ -72,7 +73,7 @@ def chat_prompts(tokenizer, count: int) -> list[list[int]]:
     prompts = []
     for i in range(count):
         question = QUESTIONS[i % len(QUESTIONS)].format(a=17 * i + 3, b=i + 2)
-        messages = [{"role": "system", "content": sage.SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        messages = [{"role": "system", "content": task.SYSTEM_PROMPT}, {"role": "user", "content": question}]
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         prompts.append(list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded))
     return prompts
@@ -127,7 +128,7 @@ def timed(engine, prompts, sampling):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as model_dir:
-        sage.save_tiny_model(model_dir, hidden_size=args.hidden_size, num_layers=args.layers,
+        demo.save_tiny_model(model_dir, hidden_size=args.hidden_size, num_layers=args.layers,
                              num_heads=args.hidden_size // 64, max_position_embeddings=args.max_model_len)
         policy = perturbed_policy(model_dir)
         extra = {} if args.enforce_eager < 0 else {"enforce_eager": bool(args.enforce_eager)}

@@ -22,23 +22,30 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import demo  # noqa: E402
 import guides  # noqa: E402
 import loss  # noqa: E402
+import models  # noqa: E402
 import sage  # noqa: E402
 
 
-def make_rollouts(num_prompts: int, group_size: int, prompt_len: int, completion_len: int, vocab: int, seed: int):
+def make_rollouts(num_prompts: int, group_size: int, prompt_len: int, completion_len: int, vocab: int, seed: int,
+                  full_length: bool = False):
+    """Random rollouts and rewards: completions of completion_len // 2 to completion_len tokens
+    (all of completion_len with ``full_length``)."""
     rng = random.Random(seed)
     prompts, completions = [], []
     for _ in range(num_prompts):
         prompt = [rng.randrange(10, vocab) for _ in range(prompt_len)]
         for _ in range(group_size):
+            length = completion_len if full_length else rng.randint(completion_len // 2, completion_len)
             prompts.append(prompt)
-            completions.append([rng.randrange(10, vocab) for _ in range(rng.randint(completion_len // 2, completion_len))])
+            completions.append([rng.randrange(10, vocab) for _ in range(length)])
     rewards = torch.tensor([float(rng.random() < 0.5) for _ in completions])
     count = len(completions)
-    return sage.Rollouts(prompts, completions, [""] * count, ["stop"] * count,
-                         [[0.0] * len(c) for c in completions], ["0"] * count, rewards)
+    rollouts = sage.Rollouts(prompts, completions, [""] * count, ["stop"] * count,
+                             [[0.0] * len(c) for c in completions], [""] * count, ["0"] * count)
+    return rollouts, rewards
 
 
 def main():
@@ -54,14 +61,14 @@ def main():
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    tokenizer = sage.build_tiny_tokenizer()
-    model = sage.build_tiny_model(tokenizer, hidden_size=args.hidden_size, num_layers=args.layers,
+    tokenizer = demo.build_tiny_tokenizer()
+    model = demo.build_tiny_model(tokenizer, hidden_size=args.hidden_size, num_layers=args.layers,
                                   num_heads=args.hidden_size // 64, max_position_embeddings=1024)
-    policy = sage.wrap_lora(model, rank=8, alpha=16)
-    optimizer, _ = sage.make_optimizer(policy, 1e-6, 0.01, 1000, 10)
-    rollouts = make_rollouts(args.prompts, args.rollouts, args.prompt_len, args.completion_len,
-                             model.config.vocab_size, seed=0)
-    advantages = loss.compute_advantages(rollouts.rewards, args.rollouts, "grpo")
+    policy = models.wrap_lora(model, rank=8, alpha=16)
+    optimizer, _ = models.make_optimizer(policy, 1e-6, 0.01, 1000, 10)
+    rollouts, rewards = make_rollouts(args.prompts, args.rollouts, args.prompt_len, args.completion_len,
+                                      model.config.vocab_size, seed=0)
+    advantages = loss.compute_advantages(rewards, args.rollouts, "grpo")
     generator = torch.Generator().manual_seed(0)
 
     def step(guide_name: str) -> float:
@@ -70,7 +77,7 @@ def main():
                              max_seq_len=args.prompt_len + args.completion_len, steps=1000)
         guide_config = guides.GuideConfig(name=guide_name)
         started = time.perf_counter()
-        sage.update_policy(policy, None, optimizer, rollouts, advantages, config, guide_config, generator, 0,
+        sage.update_policy(policy, None, optimizer, rollouts, rewards, advantages, config, guide_config, generator, 0,
                            tokenizer.pad_token_id)
         return time.perf_counter() - started
 

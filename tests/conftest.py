@@ -13,6 +13,15 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A saved tiny random Qwen2 model + byte-level tokenizer (hidden 128, 2 layers, head size 64)."""
-    import sage
+    import demo
 
-    return sage.save_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+    return demo.save_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """The tiny random Qwen2 model (eval mode) and its tokenizer, in memory."""
+    import demo
+
+    tokenizer = demo.build_tiny_tokenizer()
+    return demo.build_tiny_model(tokenizer, max_position_embeddings=160).eval(), tokenizer

@@ -2,7 +2,7 @@
 
 Every guide returns log q_t that is 0 on padding, within [log q_min, log q_max], and never
 carries a gradient; the schedule is a pure function of the optimizer step, so micro-batches
-cannot advance it (the authors' code advanced it once per micro-batch, SPEC section 8).
+cannot advance it (the authors' code advanced it once per micro-batch).
 """
 
 import math

@@ -71,6 +71,22 @@ def test_logps_entropies_and_gradients_match_float64_reference(shape, chunk_rows
     torch.testing.assert_close(logits.grad.double(), reference_logits.grad, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("temperature,min_p", [(1.0, 0.0), (0.7, 0.05)])
+def test_the_chunked_path_equals_the_definition(temperature, min_p):
+    """loss.py's plain definition and its chunked optimization: same values, entropies, gradients."""
+    logits = random_logits(3, 7, 40).requires_grad_(True)
+    plain_logits = logits.detach().clone().requires_grad_(True)
+    token_ids, _ = sample_truncated(logits.detach(), temperature, max(min_p, 1e-9), torch.Generator().manual_seed(3))
+    upstream = torch.randn(3, 7, generator=torch.Generator().manual_seed(4))
+    plain_logps, plain_entropies = loss.plain_token_logps_and_entropies(plain_logits, token_ids, temperature, min_p)
+    (plain_logps * upstream).sum().backward()
+    logps, entropies = loss.token_logps_and_entropies(logits, token_ids, temperature, min_p, chunk_rows=4)
+    (logps * upstream).sum().backward()
+    torch.testing.assert_close(logps, plain_logps, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropies, plain_entropies, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logits.grad, plain_logits.grad, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("min_p", [0.0, 0.05])
 def test_bf16_logits_give_float32_results_and_bf16_gradients(min_p):
     logits = random_logits(3, 8, 64, dtype=torch.bfloat16).requires_grad_(True)
@@ -380,7 +396,7 @@ def test_anchor_penalty_values_by_hand():
 
 def test_anchor_penalty_gradients():
     # d/dlog pi with u = exp(log p~ - log pi): k2 -> -log u; k3 -> 1 - u;
-    # ratio_k3 -> k3 + (1 - u) = -log u, the gradient of k2 (SPEC section 8).
+    # ratio_k3 -> k3 + (1 - u) = -log u, the gradient of k2 (docs/fixed-points.md).
     _, k2_grad = penalty_and_grad(LOG_U, "reverse", "k2")
     _, k3_grad = penalty_and_grad(LOG_U, "reverse", "k3")
     _, ratio_k3_grad = penalty_and_grad(LOG_U, "reverse", "ratio_k3")
@@ -539,7 +555,7 @@ def test_branch_guide_from_the_policys_own_forward_pass_sends_gradient_only_to_t
     assert logits.grad is not None and torch.isfinite(logits.grad).all()
     assert metrics["q/frac_active"] == 1.0 and metrics["q/min"] > 1.0  # every H_t > tau here
     assert metrics["kl/ref_k3"] == 0.0  # pi = pi_ref
-    # ... while k3 against p~ = pi_ref q reads q - 1 - log q per token (SPEC section 8).
+    # ... while k3 against p~ = pi_ref q reads q - 1 - log q per token (docs/fixed-points.md).
     assert metrics["kl/anchor_k3"] == pytest.approx(metrics["kl/k3_offset"], rel=1e-5)
 
 
@@ -622,3 +638,32 @@ def test_policy_loss_bad_inputs_raise_clear_errors():
             loss.policy_loss(**{**case, name: broken})
     with pytest.raises(ValueError, match="advantages has NaN"):
         loss.policy_loss(**{**case, "advantages": torch.tensor([1.0, float("nan")])})
+
+
+# ---- batches and log-probs of a model (collate, completion_logps) ----
+
+
+def test_left_padding_does_not_change_log_probs(tiny):
+    model, tokenizer = tiny
+    prompt = tokenizer("What is 3 + 4?")["input_ids"]
+    completion = tokenizer("<start_working_out>3+4=7")["input_ids"]
+    alone = loss.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
+    padded = loss.collate([[1, 2, 3, 4, 5] + prompt, prompt], [completion[:3], completion], tokenizer.pad_token_id, "cpu")
+    with torch.no_grad():
+        logps_alone, entropies_alone = loss.completion_logps(model, alone, 1.0, 0.0)
+        logps_padded, entropies_padded = loss.completion_logps(model, padded, 1.0, 0.0)
+    torch.testing.assert_close(logps_padded[1], logps_alone[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropies_padded[1], entropies_alone[0], atol=1e-5, rtol=0)
+    assert padded["completion_mask"][0].tolist() == [1.0] * 3 + [0.0] * (len(completion) - 3)
+
+
+def test_completion_logps_match_a_full_forward(tiny):
+    model, tokenizer = tiny
+    prompt, completion = tokenizer("Add 2 and 5.")["input_ids"], tokenizer("2+5=7")["input_ids"]
+    batch = loss.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
+    with torch.no_grad():
+        logps, _ = loss.completion_logps(model, batch, 0.7, 0.05)
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1] / 0.7
+        keep = logits.softmax(-1) >= 0.05 * logits.softmax(-1).max(-1, keepdim=True).values
+        expected = logits.masked_fill(~keep, float("-inf")).log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])
+    torch.testing.assert_close(logps[0], expected[:, 0], atol=1e-5, rtol=0)

@@ -1,0 +1,315 @@
+"""The paper's analyses of trained models, and their plots.
+
+1. Reasoning patterns (Eq. 13, App. G): how often correct solutions set up variables ("let x",
+   "denote"), reason about structure ("of the form", "decompose") or argue by contradiction,
+   averaged per problem over its correct solutions, then over problems.
+2. Perplexity under the base model (Eq. 39, Figure 7): how far a trained model's completions are
+   from what the base model would write, scored with the trainer's own forward pass.
+3. Plots: pass@k curves (Figure 3) and perplexity histograms (Figure 7).
+4. The ``plot``, ``patterns`` and ``perplexity`` subcommands of evaluate.py, which read the files
+   that evaluate.py writes (results, and completions saved with --save-completions).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+import matplotlib
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
+
+import cli
+from loss import collate, completion_logps
+from runs import atomic_output, write_json_atomic
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+class AnalysisError(ValueError):
+    """Bad input to an analysis (a missing file, nothing to plot); the message names the fix."""
+
+
+# --------------------------------------------------------------------------------------------
+# Reasoning patterns (Eq. 13)
+# --------------------------------------------------------------------------------------------
+
+REASONING_PATTERNS = {
+    "constraint_setup": re.compile(r"\blet\s+(?:\$|\\\(\s*)?[a-z]\b|\bdenot(?:e|es|ed|ing)\b", re.IGNORECASE),
+    "structural_reasoning": re.compile(r"\b(?:of|in) the form\b|\bdecompos(?:e|es|ed|ing|ition)\b", re.IGNORECASE),
+    "proof_by_contradiction": re.compile(
+        r"\b(?:for|by) (?:the sake of )?contradiction\b|\b(?:leads?|leading) to a contradiction\b", re.IGNORECASE
+    ),
+}
+
+
+def pattern_frequencies(correct_solutions: Sequence[Sequence[str]]) -> dict[str, float]:
+    """Eq. 13: F = (1/N) sum_x (1/|C_x|) sum_{y in C_x} 1[pattern(y)], over correct solutions.
+
+    ``correct_solutions[x]`` is C_x, the correct solutions of problem x; problems with none are
+    left out of N (1/|C_x| is undefined for them).
+
+    >>> pattern_frequencies([["Let x be the side.", "Direct count."], ["Assume for contradiction ..."], []])
+    {'constraint_setup': 0.25, 'structural_reasoning': 0.0, 'proof_by_contradiction': 0.5, 'num_problems': 2}
+    """
+    solved = [solutions for solutions in correct_solutions if solutions]
+    out = {}
+    for name, detector in REASONING_PATTERNS.items():
+        per_problem = [sum(bool(detector.search(y)) for y in solutions) / len(solutions) for solutions in solved]
+        out[name] = sum(per_problem) / len(per_problem) if per_problem else 0.0
+    out["num_problems"] = len(solved)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Saved completions (evaluate.py --save-completions) and perplexity under a base model (Eq. 39)
+# --------------------------------------------------------------------------------------------
+
+
+def _split_label(entry: str) -> tuple[str, str]:
+    """``LABEL=PATH`` -> (LABEL, PATH); a plain existing path -> ("", PATH)."""
+    label, path = ("", entry) if os.path.isfile(entry) or "=" not in entry else entry.split("=", 1)
+    if not os.path.isfile(path):
+        raise AnalysisError(f"{path} does not exist")
+    return label, path
+
+
+def _labelled(entries: Sequence[str]) -> dict[str, list[str]]:
+    """``[LABEL=]PATH`` arguments -> {label: [paths]}; the label defaults to the file's parent
+    directory name (several files under one label are merged, e.g. several seeds)."""
+    out: dict[str, list[str]] = {}
+    for entry in entries:
+        label, path = _split_label(entry)
+        out.setdefault(label or os.path.basename(os.path.dirname(os.path.abspath(path))), []).append(path)
+    return out
+
+
+def read_completions(paths: Sequence[str]) -> dict[tuple[str, int], dict]:
+    """Rows of ``--save-completions`` files, merged over seeds: {(benchmark, problem_index): row}
+    with every seed's completions in ``row["completions"]``."""
+    merged: dict[tuple[str, int], dict] = {}
+    for path in paths:
+        with open(path) as handle:
+            for line in handle:
+                row = json.loads(line)
+                key = (row["benchmark"], row["problem_index"])
+                if key in merged:
+                    merged[key]["completions"] += row["completions"]
+                else:
+                    merged[key] = row
+    return merged
+
+
+def completion_perplexities(model, prompts: Sequence[list[int]], completions: Sequence[list[int]],
+                            batch_size: int = 8, progress: bool = True) -> list[float]:
+    """Eq. 39: PPL(y | x) = exp(-(1/|y|) sum_t log pi_base(y_t | x, y_<t)) for each pair.
+
+    The forward pass is the trainer's (loss.collate + loss.completion_logps: left-padded prompts
+    with true positions, only completion positions projected to the vocabulary).
+    """
+    device = next(model.parameters()).device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(completions[i]))
+    out = [math.nan] * len(prompts)
+    for start in tqdm(range(0, len(order), batch_size), desc="perplexity", disable=not progress):
+        batch_rows = order[start : start + batch_size]
+        batch = collate([list(prompts[i]) for i in batch_rows], [list(completions[i]) for i in batch_rows], 0, device)
+        with torch.no_grad():
+            logps, _ = completion_logps(model, batch, 1.0, 0.0)  # [B, C]
+        mask = batch["completion_mask"]
+        mean_logps = (logps * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        for row, i in enumerate(batch_rows):
+            out[i] = math.exp(-mean_logps[row].item())
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------
+
+
+def plot_results(entries: Sequence[str], out: str) -> None:
+    """The paper's Figure 3 from results files, ``[LABEL=]PATH`` each (the label defaults to
+    the model's name, else its adapter's or its directory's name)."""
+    labelled = {}
+    for entry in entries:
+        label, path = _split_label(entry)
+        with open(path) as handle:
+            results = json.load(handle)
+        model = results.get("model", {})
+        label = label or model.get("name") or os.path.basename(str(model.get("adapter") or model.get("path") or path).rstrip("/"))
+        labelled[label if label not in labelled else f"{label} ({path})"] = results
+    plot_pass_at_k(labelled, out)
+
+
+def plot_pass_at_k(labelled_results: dict[str, dict], out: str) -> None:
+    """pass@k over log2 k, one panel per benchmark, one line per model (mean +- std over
+    seeds as a band), as in the paper's Figure 3."""
+    names = list(dict.fromkeys(name for r in labelled_results.values() for name in r["benchmarks"]))
+    names = [name for name in names if any(r["benchmarks"].get(name, {}).get("pass_at_k") for r in labelled_results.values())]
+    if not names:
+        raise AnalysisError("the results files hold no finished benchmark to plot")
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
+    for axis, name in zip(axes[0], names):
+        for label, results in labelled_results.items():
+            summary = results["benchmarks"].get(name, {}).get("pass_at_k")
+            if not summary:
+                continue
+            ks = sorted(int(k) for k in summary)
+            x = [math.log2(k) for k in ks]
+            mean = [summary[str(k)]["mean"] for k in ks]
+            std = [summary[str(k)]["std"] for k in ks]
+            (line,) = axis.plot(x, mean, marker="o", markersize=3, label=label)
+            axis.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                              color=line.get_color(), alpha=0.2)
+        axis.set_title(name)
+        axis.set_xlabel("log2 k")
+        axis.set_ylabel("pass@k")
+        axis.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    _save_figure(fig, out)
+    plt.close(fig)
+
+
+def plot_perplexity_histogram(values: dict[str, dict[str, list[float]]], out: str) -> None:
+    """Distributions of Eq. 39's perplexity per model (one panel per problem group), as in the
+    paper's Figure 7. ``values[panel][label]`` holds the perplexities."""
+    fig, axes = plt.subplots(1, len(values), figsize=(4.5 * len(values), 3.6), squeeze=False)
+    for axis, (panel, by_label) in zip(axes[0], values.items()):
+        finite = [v for vs in by_label.values() for v in vs if math.isfinite(v)]
+        bins = 30 if not finite else [min(finite) + i * (max(finite) - min(finite) + 1e-9) / 30 for i in range(31)]
+        for label, ppl in by_label.items():
+            axis.hist([v for v in ppl if math.isfinite(v)], bins=bins, histtype="step", density=True,
+                      linewidth=1.5, label=f"{label} (n={len(ppl)})")
+        axis.set_title(panel)
+        axis.set_xlabel("perplexity under the base model")
+        axis.set_ylabel("density")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    _save_figure(fig, out)
+    plt.close(fig)
+
+
+def _save_figure(fig, out: str) -> None:
+    with atomic_output(out, "wb") as handle:
+        fig.savefig(handle, format=(os.path.splitext(out)[1] or ".png").lstrip("."), dpi=150)
+
+
+# --------------------------------------------------------------------------------------------
+# The subcommands of evaluate.py: plot, patterns, perplexity
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class PlotArgs:
+    """python evaluate.py plot [LABEL=]A.json [LABEL=]B.json --out passk.png"""
+
+    results: list[str] = cli.positional()
+    """Results files of evaluate.py, optionally LABEL=PATH."""
+    out: str = "passk.png"
+    """Output image."""
+
+
+@dataclass(kw_only=True)
+class PatternsArgs:
+    """python evaluate.py patterns [LABEL=]DIR/aime.seed0.jsonl ... (files from --save-completions)"""
+
+    completions: list[str] = cli.positional()
+    """--save-completions files, optionally LABEL=PATH."""
+    out: str | None = None
+    """Also write the frequencies as JSON here."""
+
+
+@dataclass(kw_only=True)
+class PerplexityArgs:
+    """python evaluate.py perplexity --base-model PATH [LABEL=]FILE.jsonl ... --out ppl.png
+
+    The files' token ids are scored as they are, so the sampling models must share the base
+    model's tokenizer (as the paper's fine-tunes of Qwen2.5-Math-7B do).
+    """
+
+    completions: list[str] = cli.positional()
+    """--save-completions files, optionally LABEL=PATH."""
+    base_model: str
+    """The model that scores the completions (pi_base of Eq. 39)."""
+    out: str = "perplexity.png"
+    """Histogram image; the values go to the same name with .json."""
+    problems: str | None = None
+    """BENCHMARK:INDEX,... problems to plot one panel each (default: all pooled)."""
+    max_samples: int = 64
+    """Completions scored per problem and model (paper: 64)."""
+    only_correct: bool = False
+    """Score correct completions only."""
+    batch_size: int = 8
+    """Sequences per forward pass."""
+    dtype: str = "auto"
+    """Dtype of the base model."""
+    device: str | None = None
+    """Torch device (default: cuda if available, else cpu)."""
+    progress: bool = True
+    """Progress bars."""
+
+
+def run_plot(args: PlotArgs) -> None:
+    plot_results(args.results, args.out)
+    print(f"[evaluate] wrote {args.out}", file=sys.stderr)
+
+
+def run_patterns(args: PatternsArgs) -> dict:
+    table = {}
+    for label, paths in _labelled(args.completions).items():
+        rows = read_completions(paths)
+        solutions = [[c["text"] for c in row["completions"] if c["correct"]] for row in rows.values()]
+        table[label] = pattern_frequencies(solutions)
+    names = list(REASONING_PATTERNS)
+    print("model".ljust(24) + "".join(name.rjust(24) for name in names) + "problems".rjust(10))
+    for label, freqs in table.items():
+        print(label[:23].ljust(24) + "".join(f"{freqs[name]:24.3f}" for name in names)
+              + str(freqs["num_problems"]).rjust(10))
+    if args.out:
+        write_json_atomic(args.out, table)
+    return table
+
+
+def run_perplexity(args: PerplexityArgs) -> dict:
+    wanted = None
+    if args.problems:
+        wanted = []
+        for item in args.problems.split(","):
+            benchmark, _, index = item.rpartition(":")
+            if not benchmark or not index.isdigit():
+                raise AnalysisError(f"--problems entries look like aime:3, got {item!r}")
+            wanted.append((benchmark, int(index)))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch_dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.base_model, dtype=torch_dtype).to(device).eval()
+    values: dict[str, dict[str, list[float]]] = {}
+    for label, paths in _labelled(args.completions).items():
+        rows = read_completions(paths)
+        keys = wanted if wanted is not None else sorted(rows)
+        for key in keys:
+            if key not in rows:
+                raise AnalysisError(f"{label}: no problem {key[0]}:{key[1]} in {', '.join(paths)}")
+            row = rows[key]
+            chosen = [c for c in row["completions"] if c["correct"] or not args.only_correct][: args.max_samples]
+            ppl = completion_perplexities(model, [row["prompt_ids"]] * len(chosen), [c["token_ids"] for c in chosen],
+                                          batch_size=args.batch_size, progress=args.progress)
+            panel = f"{key[0]}:{key[1]}" if wanted is not None else "all problems"
+            values.setdefault(panel, {}).setdefault(label, []).extend(ppl)
+    if not any(values.values()):
+        raise AnalysisError("no completions to score (check --only-correct and the files)")
+    plot_perplexity_histogram(values, args.out)
+    write_json_atomic(os.path.splitext(args.out)[0] + ".json", values)
+    print(f"[evaluate] wrote {args.out}", file=sys.stderr)
+    return values
+
+
+SUBCOMMANDS = {"plot": (PlotArgs, run_plot), "patterns": (PatternsArgs, run_patterns),
+               "perplexity": (PerplexityArgs, run_perplexity)}

@@ -1,0 +1,153 @@
+"""The models of a run: the policy, its reference and the optimizer, and what fits on one GPU.
+
+* The base model loads from a hub name or a local directory, in bf16 on CUDA (float32 on CPU),
+  with flash-attention 2 when a matching build is installed (else PyTorch's SDPA), and gradient
+  checkpointing for long completions.
+* The policy is the base with LoRA adapters on the attention and MLP projections (the paper runs
+  everything with LoRA rank 8). Its reference policy pi_ref is the same weights with the adapter
+  switched off: no second copy. Fine-tuning every weight keeps a frozen copy instead, and is
+  refused up front when it cannot fit the device.
+* AdamW with linear warmup and linear decay (App. E, Table 8).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import psutil
+import torch
+from peft import LoraConfig, get_peft_model
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from data import first_line
+
+
+def device_and_dtype() -> tuple[torch.device, torch.dtype]:
+    """bf16 on CUDA, float32 on CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def attention_implementation() -> str:
+    """flash-attention 2 on CUDA when installed (and built for this torch), else PyTorch's SDPA."""
+    if torch.cuda.is_available():
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+        except Exception as error:  # a wheel built for another torch fails at import (undefined symbols)
+            tqdm.write(f"note: flash-attn does not load ({type(error).__name__}); using PyTorch SDPA")
+    return "sdpa"
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each layer's activations in the backward: one layer input per token is kept
+    instead of all activations (a 7B Qwen2 keeps ~6 MB per token without it).
+
+    With LoRA the embedding output has no gradient of its own, so a hook marks it as needing one
+    (transformers' ``enable_input_require_grads``, what peft's k-bit preparation does): without
+    it a reentrant checkpoint would see no input that needs a gradient and drop the adapters'.
+    """
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    model.config.use_cache = False
+
+
+def load_base_model(path: str, gradient_checkpointing: bool = False):
+    """The base model and tokenizer from a hub name or a local directory, with a clear error."""
+    device, dtype = device_and_dtype()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_implementation())
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: cannot load model {path!r} ({first_line(error)}); pass a local model "
+                         "directory or a cached hub name") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model.to(device), tokenizer
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def wrap_lora(model, rank: int, alpha: int):
+    """LoRA adapters on the attention and MLP projections (paper: rank 8)."""
+    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def make_policy(model, full_finetune: bool, lora_rank: int, lora_alpha: int, with_reference: bool):
+    """(policy, frozen_reference): LoRA adapters whose reference is the base with the adapter off
+    (no copy), or, when fine-tuning every weight, the model itself and a frozen copy (if a KL
+    anchor needs a reference)."""
+    if not full_finetune:
+        return wrap_lora(model, lora_rank, lora_alpha), None
+    return model, (copy.deepcopy(model).eval().requires_grad_(False) if with_reference else None)
+
+
+@contextlib.contextmanager
+def reference_mode(policy, frozen_reference):
+    """Yield the reference policy: the frozen copy, or the LoRA base with the adapter off."""
+    if frozen_reference is not None:
+        yield frozen_reference
+    else:
+        with policy.disable_adapter():
+            yield policy
+
+
+def make_optimizer(model, lr: float, weight_decay: float, total_steps: int, warmup_steps: int):
+    """AdamW on the trainable parameters with linear warmup and linear decay to 0."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+    def schedule(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def full_finetune_bytes(num_parameters: int, dtype_bytes: int, with_reference: bool, with_engine: bool) -> int:
+    """Memory that full fine-tuning holds for its weights alone: the weights, their gradients,
+    AdamW's two moments (PyTorch keeps them in the weights' dtype), the frozen reference copy (when
+    there is a KL anchor) and the colocated engine's copy. Activations come on top.
+
+    >>> round(full_finetune_bytes(7_615_616_512, 2, with_reference=True, with_engine=True) / 1e9)  # Qwen2.5-7B, bf16
+    91
+    """
+    copies = 4 + int(with_reference) + int(with_engine)
+    return num_parameters * dtype_bytes * copies
+
+
+def check_full_finetune_fits(model_path: str, with_reference: bool, with_engine: bool) -> None:
+    """Refuse --full-finetune, before anything is loaded, when the weights alone would not fit the
+    device (a 7B model needs ~91 GB in bf16): a one-line error naming what would fit."""
+    try:
+        model_config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError):
+        return  # load_base_model reports an unreadable model
+    with torch.device("meta"):
+        num_parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters())
+    device, dtype = device_and_dtype()
+    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    if device.type == "cuda":
+        available, where = torch.cuda.get_device_properties(0).total_memory, "the GPU has"
+    else:
+        available, where = psutil.virtual_memory().total, "this machine has"
+    needed = full_finetune_bytes(num_parameters, dtype_bytes, with_reference, with_engine)
+    if needed > 0.9 * available:
+        largest = 0.9 * available / full_finetune_bytes(1, dtype_bytes, with_reference, with_engine)
+        raise SystemExit(
+            f"error: --full-finetune of a {num_parameters / 1e9:.1f}B-parameter model needs about {needed / 1e9:.0f} GB "
+            f"for weights, gradients, AdamW states{', a frozen reference' if with_reference else ''}"
+            f"{' and the engine copy' if with_engine else ''}, but {where} {available / 1e9:.0f} GB: "
+            f"drop --full-finetune (LoRA, the paper's setting) or use a model of at most {largest / 1e9:.1f}B parameters"
+        )

@@ -1,0 +1,177 @@
+"""Run files: atomic writes, the metrics log, RNG states and checkpoints.
+
+A training run writes to ``runs/<name>/``: ``config.json``, ``metrics.jsonl`` (one line per
+optimizer step), ``checkpoint/`` (the adapter or the weights, optimizer, scheduler, RNG states and
+the trainer's own state), and the files of its evaluations. Two rules hold for every file here:
+
+* **Nothing half-written is ever seen.** Files are written to a temporary name beside the target
+  and renamed over it (a rename is atomic on POSIX); a checkpoint is a directory written the same
+  way. A crash leaves the previous version intact.
+* **A resumed run continues exactly.** Checkpoints hold the RNG states, and the metrics log is cut
+  back to the checkpoint's step, so the steps redone are logged once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import tempfile
+
+import torch
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+# --------------------------------------------------------------------------------------------
+# Atomic files
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def atomic_output(path: str, mode: str = "w"):
+    """Open a temporary file next to ``path``; on success rename it over ``path`` (readers never
+    see a half-written file), with the permissions a plain ``open`` would have given."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    handle = tempfile.NamedTemporaryFile(mode, dir=directory, prefix=".tmp-", suffix=os.path.splitext(path)[1],
+                                         delete=False)
+    try:
+        with handle:
+            yield handle
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(handle.name, 0o666 & ~umask)
+        os.replace(handle.name, path)
+    except BaseException:
+        os.unlink(handle.name)
+        raise
+
+
+def write_json_atomic(path: str, payload) -> None:
+    """Write JSON atomically (``atomic_output``)."""
+    with atomic_output(path) as handle:
+        json.dump(payload, handle, indent=1)
+        handle.write("\n")
+
+
+def write_jsonl_atomic(path: str, rows) -> None:
+    """Write one JSON object per line, atomically."""
+    with atomic_output(path) as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The rows of a JSON-lines file ([] if it does not exist)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+# --------------------------------------------------------------------------------------------
+# The metrics log: one JSON line per step
+# --------------------------------------------------------------------------------------------
+
+
+def append_jsonl(path: str, record: dict) -> None:
+    """Append one JSON line, flushed to disk (a crash loses at most the line being written)."""
+    with open(path, "a") as handle:
+        handle.write(json.dumps(record) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def truncate_jsonl(path: str, before_step: int) -> None:
+    """On resume: drop the lines of steps the checkpoint does not include (they will be redone)."""
+    if os.path.exists(path):
+        write_jsonl_atomic(path, [row for row in read_jsonl(path) if row["step"] < before_step])
+
+
+# --------------------------------------------------------------------------------------------
+# RNG states and checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+def rng_states() -> dict:
+    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def checkpoint_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoint")
+
+
+def has_checkpoint(run_dir: str) -> bool:
+    return os.path.exists(os.path.join(checkpoint_dir(run_dir), "trainer_state.pt"))
+
+
+def save_checkpoint(run_dir: str, policy, optimizer, scheduler, state: dict) -> str:
+    """Write <run>/checkpoint atomically: a temporary directory, then a rename over the old one.
+
+    ``state`` holds the trainer's own state (at least ``step``). If anything fails midway, the
+    previous checkpoint stays intact.
+    """
+    final = checkpoint_dir(run_dir)
+    temporary = os.path.join(run_dir, f".checkpoint-tmp-{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    try:
+        os.makedirs(temporary)
+        policy.save_pretrained(os.path.join(temporary, "model"))  # the adapter only, for LoRA
+        torch.save(
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_states(), **state},
+            os.path.join(temporary, "trainer_state.pt"),
+        )
+        with open(os.path.join(temporary, "trainer_state.json"), "w") as handle:
+            json.dump({"step": state["step"]}, handle)
+        previous = final + ".old"
+        shutil.rmtree(previous, ignore_errors=True)
+        if os.path.exists(final):
+            os.replace(final, previous)
+        os.replace(temporary, final)
+        shutil.rmtree(previous, ignore_errors=True)
+    except OSError as error:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise SystemExit(f"error: checkpoint write failed ({error}); the previous checkpoint in {final} is intact") from None
+    return final
+
+
+def load_checkpoint(run_dir: str, policy, optimizer, scheduler) -> dict:
+    """Restore weights (adapter or full), optimizer, scheduler and RNG; return the saved state."""
+    final = checkpoint_dir(run_dir)
+    if not has_checkpoint(run_dir):
+        raise SystemExit(f"error: --resume but no checkpoint in {final}; drop --resume to start fresh")
+    model_dir = os.path.join(final, "model")
+    if hasattr(policy, "peft_config"):
+        set_peft_model_state_dict(policy, load_file(os.path.join(model_dir, "adapter_model.safetensors")))
+    else:
+        saved = AutoModelForCausalLM.from_pretrained(model_dir, dtype=next(policy.parameters()).dtype)
+        policy.load_state_dict(saved.state_dict())
+    state = torch.load(os.path.join(final, "trainer_state.pt"), weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_states(state["rng"])
+    return state
+
+
+def save_model_atomic(model, tokenizer, final: str) -> str:
+    """save_pretrained into a temporary directory, then a rename over ``final``."""
+    temporary = final + ".tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    model.save_pretrained(temporary)
+    tokenizer.save_pretrained(temporary)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(temporary, final)
+    return final

@@ -1,0 +1,250 @@
+"""The task: what the model is asked, the format it answers in, and the reward for its answer.
+
+1. The prompt (App. E.4): the paper's system prompt and the problem, through the tokenizer's chat
+   template once (``build_prompt_ids``).
+2. The answer format (App. E.4): ``<start_working_out> ... <end_working_out><SOLUTION> answer
+   </SOLUTION>`` (``format_completion``; ``sft_completion`` for SFT targets); ``extract_solution``
+   reads the last ``<SOLUTION>`` block back.
+3. Grading (section 5.1): the answer inside ``<SOLUTION>`` when present, else what Math-Verify
+   extracts from the whole text, compared with the reference by Math-Verify; Knights-and-Knaves
+   answers by matching every person's role (their answers are sentences). ``grade`` is serial;
+   ``grade_batch`` runs ``grading_pool.GradingPool`` workers with a hard per-item timeout.
+4. The reward r(x, y) in {0, 1} (section 5.1): ``math_reward``, a function over a batch of
+   completions with their problems and reference answers -- the signature of any reward.
+
+Grading choices the paper leaves open: a short answer inside <SOLUTION> is read as LaTeX (wrapped
+in ``$...$``) unless it is prose or a plain number; the reference answer likewise.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import math
+import re
+import threading
+from typing import Sequence
+
+from math_verify import parse, verify
+
+from grading_pool import DEFAULT_TIMEOUT_S as GRADE_TIMEOUT_S
+from grading_pool import GradingPool
+
+# --------------------------------------------------------------------------------------------
+# 1-2. The prompt and the answer format (App. E.4)
+# --------------------------------------------------------------------------------------------
+
+SYSTEM_PROMPT = (
+    "You are given a problem. Think about the problem and provide your working out. Place it "
+    "between <start_working_out> and <end_working_out>. Then, provide your solution between "
+    "<SOLUTION> and </SOLUTION>."
+)
+FORMAT_TOKENS = ("<start_working_out>", "<end_working_out>", "<SOLUTION>", "</SOLUTION>")
+GRADERS = ("math", "knights_knaves")
+
+
+def build_prompt_ids(tokenizer, problem: str) -> list[int]:
+    """The chat template applied once: the paper's system prompt, the problem as the user
+    message, the assistant turn opened."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def format_completion(working: str, answer: str) -> str:
+    """The paper's completion format (App. E.4).
+
+    >>> format_completion("2+2=4", "4")
+    '<start_working_out>2+2=4<end_working_out><SOLUTION>4</SOLUTION>'
+    """
+    return f"<start_working_out>{working}<end_working_out><SOLUTION>{answer}</SOLUTION>"
+
+
+def sft_completion(reasoning: str, answer: str) -> str:
+    """An SFT target in the paper's format, from a worked solution and its answer (App. E.2).
+
+    Reasoning traces such as OpenMathReasoning's hold ``<think>`` tags: they are removed, so the
+    model learns the paper's markers only.
+
+    >>> sft_completion("<think> 2+2=4 </think>", "4")
+    '<start_working_out>2+2=4<end_working_out><SOLUTION>4</SOLUTION>'
+    """
+    for tag in ("<think>", "</think>"):
+        reasoning = reasoning.replace(tag, "")
+    return format_completion(reasoning.strip(), answer.strip())
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Grading
+# --------------------------------------------------------------------------------------------
+
+_SOLUTION_BLOCK = re.compile(r"<SOLUTION>(.*?)</SOLUTION>", re.DOTALL)
+
+
+_LATEX_DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
+
+
+_PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")  # a word, not a LaTeX command
+
+
+_PLAIN_NUMBER = re.compile(r"\s*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*-?\d+)?\s*%?\s*")
+
+
+def extract_solution(completion: str) -> str | None:
+    """The text of the last ``<SOLUTION>...</SOLUTION>`` block (App. E.4 format), or None.
+
+    >>> extract_solution("<start_working_out> 2+2 <end_working_out><SOLUTION> 4 </SOLUTION>")
+    '4'
+    >>> extract_solution("no block, the answer is 4") is None
+    True
+    """
+    blocks = _SOLUTION_BLOCK.findall(completion)
+    return blocks[-1].strip() if blocks else None
+
+
+def _quiet_math_verify() -> None:
+    # math-verify logs a warning per timeout and when its own (signal) timeouts are off;
+    # we count timeouts ourselves.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    logging.getLogger("latex2sympy2_extended").setLevel(logging.ERROR)
+
+
+def _parse_short_answer(text: str, timeout: int | None) -> list:
+    """math-verify's parse of a bare answer such as ``1/2``, ``\\frac{1}{2}`` or ``(1, 2]``.
+
+    Bare LaTeX is wrapped in ``$...$`` first, so that sets and intervals are read as such
+    (unwrapped, math-verify reads ``(1, 2]`` as the number 2); prose and plain numbers are
+    parsed as they are (plain numbers skip the LaTeX parser: ~1 ms instead of ~20 ms).
+    """
+    if not text.strip():
+        return []
+    if _PLAIN_NUMBER.fullmatch(text):
+        return parse(text, parsing_timeout=timeout)
+    wrapped = f"${text}$"
+    reads_as_latex = not any(d in text for d in _LATEX_DELIMITERS) and not _PROSE_WORD.search(text)
+    first, second = (wrapped, text) if reads_as_latex else (text, wrapped)
+    return parse(first, parsing_timeout=timeout) or parse(second, parsing_timeout=timeout)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_reference(answer: str, timeout: int | None) -> list:
+    # Cached: the trainer grades G = 8 completions per reference, evaluation n = 256.
+    return _parse_short_answer(answer, timeout)
+
+
+def _grade_math(completion: str, answer: str, timeout: int | None) -> bool:
+    reference = _parse_reference(str(answer), timeout)
+    if not reference:
+        return False
+    solution = extract_solution(completion)
+    if solution is not None:
+        prediction = _parse_short_answer(solution, timeout)
+    else:
+        prediction = parse(completion, parsing_timeout=timeout)
+    return bool(prediction) and bool(verify(reference, prediction, timeout_seconds=timeout))
+
+
+_ROLE_STATEMENT = re.compile(r"\b([A-Z][a-zA-Z]*) is a (knight|knave|Knight|Knave)\b")
+
+
+def _grade_knights_knaves(completion: str, answer: str) -> bool:
+    """Correct iff every person named in the reference gets the reference's role.
+
+    The answer is the <SOLUTION> block when present, else the whole text, where the last role
+    stated for a person counts.
+    """
+    reference = {name: role.lower() for name, role in _ROLE_STATEMENT.findall(answer)}
+    solution = extract_solution(completion)
+    predicted = {}
+    for name, role in _ROLE_STATEMENT.findall(completion if solution is None else solution):
+        predicted[name] = role.lower()
+    return bool(reference) and all(predicted.get(name) == role for name, role in reference.items())
+
+
+def _grade(completion: str, answer: str, grader: str, timeout: int | None) -> bool:
+    if grader == "math":
+        return _grade_math(completion, answer, timeout)
+    if grader == "knights_knaves":
+        return _grade_knights_knaves(completion, answer)
+    raise ValueError(f"unknown grader {grader!r}; use one of {GRADERS}")
+
+
+def grade_in_worker(completion: str, answer: str, grader: str) -> bool:
+    """``grade`` without math-verify's own timeouts: in a pool worker the parent's hard timeout is
+    the single guard, so every timeout is counted and none depends on signals reaching Python."""
+    _quiet_math_verify()
+    return _grade(completion, answer, grader, timeout=None)
+
+
+def grade(completion: str, answer: str, grader: str = "math") -> bool:
+    """Whether a completion's final answer equals the reference (the reward of section 5.1).
+
+    Serial and in-process. In the main thread math-verify's own (signal-based) timeouts guard
+    each step; in other threads they cannot, so use ``grade_batch`` (a pool with hard timeouts)
+    for anything untrusted in bulk.
+
+    >>> grade("<start_working_out> ... <end_working_out><SOLUTION> 1/2 </SOLUTION>", "\\\\frac{1}{2}")
+    True
+    >>> grade("so the answer is \\\\boxed{0.5}", "1/2")
+    True
+    >>> grade("<SOLUTION> 3 </SOLUTION>", "4")
+    False
+    """
+    _quiet_math_verify()
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    timeout = max(1, math.ceil(GRADE_TIMEOUT_S)) if in_main_thread else None
+    return _grade(completion, answer, grader, timeout)
+
+
+def grading_pool(num_workers: int | None = None, timeout_s: float = GRADE_TIMEOUT_S) -> GradingPool:
+    """A pool of workers that run ``grade_in_worker`` (close it, or use it as a context manager)."""
+    return GradingPool("task:grade_in_worker", num_workers=num_workers, timeout_s=timeout_s)
+
+
+_default_pool: GradingPool | None = None
+
+
+def default_pool() -> GradingPool:
+    """The process-wide pool ``grade_batch`` uses (created on first use, closed at exit)."""
+    global _default_pool
+    if _default_pool is None or _default_pool._closed:
+        _default_pool = grading_pool()
+        atexit.register(_default_pool.close)
+    return _default_pool
+
+
+def grade_batch(
+    completions: Sequence[str],
+    answers: Sequence[str],
+    graders: str | Sequence[str] = "math",
+    *,
+    pool: GradingPool | None = None,
+    progress: bool = False,
+) -> list[bool]:
+    """``grade`` over a batch, in parallel worker processes with a hard per-item timeout.
+
+    A pathological item (a parser that never returns) is graded wrong and counted in
+    ``pool.stats["timeouts"]``. Uses ``default_pool()`` unless a pool is given.
+    """
+    if len(completions) != len(answers):
+        raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
+    graders = [graders] * len(completions) if isinstance(graders, str) else list(graders)
+    if len(graders) != len(completions) or any(g not in GRADERS for g in graders):
+        raise ValueError(f"graders must be one of {GRADERS}: one name, or one per completion")
+    items = [(str(c), str(a), g) for c, a, g in zip(completions, answers, graders)]
+    return (pool or default_pool()).map(items, progress=progress)
+
+
+# --------------------------------------------------------------------------------------------
+# 4. The reward
+# --------------------------------------------------------------------------------------------
+
+
+def math_reward(completions: Sequence[str], problems: Sequence[str], answers: Sequence[str]) -> list[float]:
+    """r(x, y) = 1 if the completion's final answer equals the reference (Math-Verify), else 0.
+
+    A reward function takes a batch of completions (decoded text), their problems and their
+    reference answers, one each, and returns one float per completion. This is the paper's.
+    """
+    return [float(correct) for correct in grade_batch(completions, answers)]
