@@ -546,9 +546,12 @@ def aggregate(
 
 
 def check_policy_loss_inputs(completion_mask: torch.Tensor, advantages: torch.Tensor, per_token: dict, kl: str,
-                             beta: float) -> None:
+                             beta: float, eps_low: float, eps_high: float) -> None:
     """One-line errors for inputs ``policy_loss`` cannot use: shapes, NaN/inf on completion tokens,
-    an empty mask, a missing reference."""
+    an empty mask, a missing reference, a clip range that is not one."""
+    if not (0.0 <= eps_low < 1.0 and eps_high >= 0.0):
+        raise ValueError(f"the clip range [1 - eps_low, 1 + eps_high] needs 0 <= eps_low < 1 and eps_high >= 0; got "
+                         f"eps_low={eps_low}, eps_high={eps_high}")
     shape = tuple(completion_mask.shape)
     if completion_mask.dim() != 2:
         raise ValueError(f"completion_mask must be [batch, length], got shape {shape}")
@@ -569,8 +572,15 @@ def check_policy_loss_inputs(completion_mask: torch.Tensor, advantages: torch.Te
 
 
 def loss_metrics(loss, logps, ratio, advantages, mask, eps_low, eps_high, ref_logps, anchor_logps, log_q,
-                 entropies) -> dict[str, float]:
-    """What ``policy_loss`` logs: the loss, clip fractions, entropy, KL estimates, q statistics."""
+                 entropies, q_constant_per_position) -> dict[str, float]:
+    """What ``policy_loss`` logs: the loss, clip fractions, entropy, KL estimates, q statistics.
+
+    kl/ref_k3 estimates KL(pi || pi_ref). kl/anchor_k3 is k3 against p~, whose expectation is
+    KL(pi || pi_ref) + Z - 1 - E_pi[log q] with Z = E_ref[q] the anchor's mass at a position. For a
+    guide constant over the vocabulary at a position (branch, random) that offset is q - 1 - log q,
+    logged as kl/anchor_offset; for the token guide q of the tokens not sampled is not defined, so
+    neither is the offset, and it is not logged.
+    """
     count = mask.sum()
 
     def token_mean(x):
@@ -594,9 +604,9 @@ def loss_metrics(loss, logps, ratio, advantages, mask, eps_low, eps_high, ref_lo
             metrics["kl/anchor_k3"] = token_mean(anchor_penalty(logps, anchor_logps, "reverse", "k3"))
     if log_q is not None:
         q, valid = log_q.exp(), mask.bool()
+        if q_constant_per_position:
+            metrics["kl/anchor_offset"] = token_mean(q - 1.0 - log_q)
         metrics.update({
-            # E[k3] against p~ exceeds the KL by Z - 1 - log Z = q - 1 - log q per token.
-            "kl/k3_offset": token_mean(q - 1.0 - log_q),
             "q/mean": token_mean(q),
             "q/min": q[valid].min().item(),
             "q/max": q[valid].max().item(),
@@ -623,6 +633,7 @@ def policy_loss(
     global_num_tokens: float | None = None,
     entropies: torch.Tensor | None = None,
     importance_weights: torch.Tensor | None = None,
+    q_constant_per_position: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """SAGE's per-token loss: clipped surrogate + beta * penalty against p~ = pi_ref * q, aggregated.
 
@@ -642,13 +653,15 @@ def policy_loss(
         entropies: [B, T] optional, only logged.
         importance_weights: [B, T] optional truncated importance weights
             min(pi_old / pi_engine, C) that correct the trainer/engine mismatch.
+        q_constant_per_position: the guide gives every vocabulary token at a position the same q
+            (branch, random), so the k3 offset it adds is known and logged (``loss_metrics``).
 
     Returns:
         (loss, metrics): the scalar loss and floats for logging.
     """
     check_policy_loss_inputs(completion_mask, advantages, {
         "logps": logps, "old_logps": old_logps, "ref_logps": ref_logps, "log_q": log_q, "entropies": entropies,
-        "importance_weights": importance_weights}, kl, beta)
+        "importance_weights": importance_weights}, kl, beta, eps_low, eps_high)
     # Only logps carries a gradient: pi_old, pi_ref and q are held fixed during the update (Eq. 3).
     # Padding is zeroed so that whatever it holds (inf, NaN) cannot leak into the loss as 0 * inf.
     padding = ~completion_mask.bool()
@@ -665,5 +678,5 @@ def policy_loss(
         per_token = per_token + beta * anchor_penalty(logps, anchor_logps, kl, kl_estimator)
     loss = aggregate(per_token, completion_mask.float(), aggregation, max_completion_length, global_num_tokens)
     metrics = loss_metrics(loss, logps.detach(), ratio.detach(), advantages, completion_mask.float(), eps_low, eps_high,
-                           ref_logps, anchor_logps, log_q, entropies)
+                           ref_logps, anchor_logps, log_q, entropies, q_constant_per_position)
     return loss, metrics

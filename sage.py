@@ -69,7 +69,17 @@ from task import build_prompt_ids, math_reward  # noqa: E402
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
+# Presets: values for the fields the user did not set. BNPO is the Beta-normalized advantage with
+# TRL's "bnpo" token-mean aggregation; DAPO is clip-higher, the global token mean and dynamic
+# sampling. The paper runs both without KL.
+PRESETS = {
+    "grpo": dict(advantage="grpo", loss_agg="grpo", eps_high=0.2, kl="reverse", dynamic_sampling=False),
+    "dr_grpo": dict(advantage="dr_grpo", loss_agg="dr_grpo", eps_high=0.2, kl="reverse", dynamic_sampling=False),
+    "bnpo": dict(advantage="bnpo", loss_agg="batch_token_mean", eps_high=0.2, kl="none", dynamic_sampling=False),
+    "dapo": dict(advantage="grpo", loss_agg="dapo", eps_high=0.28, kl="none", dynamic_sampling=True),
+}
+
+
 @dataclass
 class Config:
     """Every knob of the paper's run; the defaults are the paper's (section 5.1, App. E, Tables 7-8)."""
@@ -127,16 +137,16 @@ class Config:
     """Sequences per forward/backward; the step's 64 sequences are accumulated (4 fits a 7B on 80 GB)."""
     ppo_epochs: int = 1
     """Passes over each step's rollouts (1: on-policy, the ratio is 1 at the first pass)."""
-    advantage: str = ""
-    """grpo | dr_grpo | rloo | bnpo (Beta-normalized); empty: the preset's."""
-    loss_agg: str = ""
-    """grpo | batch_token_mean | dr_grpo | dapo; empty: the preset's."""
+    advantage: str | None = None
+    """grpo | dr_grpo | rloo | bnpo (Beta-normalized); unset: the preset's."""
+    loss_agg: str | None = None
+    """grpo | batch_token_mean | dr_grpo | dapo; unset: the preset's."""
     eps_low: float = 0.2
     """Lower clip of the ratio (paper: 0.2)."""
-    eps_high: float = -1.0
-    """Upper clip of the ratio; negative: the preset's (0.2, DAPO 0.28)."""
-    dynamic_sampling: int = -1
-    """DAPO: drop all-equal-reward groups and refill (1/0); negative: the preset's."""
+    eps_high: float | None = None
+    """Upper clip of the ratio; unset: the preset's (0.2, DAPO 0.28)."""
+    dynamic_sampling: bool | None = None
+    """DAPO: drop all-equal-reward groups and refill; unset: the preset's (on for dapo)."""
     max_refill_rounds: int = 4
     """DAPO dynamic sampling: extra rollout rounds at most before training on what is left."""
     overlong_buffer: int = 0
@@ -154,12 +164,14 @@ class Config:
     """Guide clamp, upper (paper: 1.4)."""
     token_normalization: str = guides.GuideConfig.token_normalization
     """Token guide: percentile | rank | sigmoid."""
-    kl: str = ""
-    """reverse | forward | none; empty: the preset's (reverse for grpo/dr_grpo)."""
+    kl: str | None = None
+    """reverse | forward | none; unset: the preset's (reverse for grpo/dr_grpo; with a guide, always reverse)."""
     kl_estimator: str = "k3"
     """k3 (paper) | k2 | ratio_k3 | k1_return (realizes Eq. 4); see the README."""
     beta: float = 0.05
     """KL coefficient (paper: 0.05)."""
+    reference_min_p: bool = False
+    """Replay the sampler's min-p on the reference's log-probs too (off: its full softmax, as the authors' code; docs/min-p.md)."""
     tis_cap: float = 0.0
     """Truncated importance sampling cap C on pi_old / pi_engine (0: off; 2 is usual)."""
     # ---- optimization ----
@@ -226,20 +238,19 @@ class Config:
     demo_sft_noise: float = 0.3
     """Demo: fraction of SFT examples whose final answer is off by 1 or 2, so RL has work left."""
 
+    def __post_init__(self):
+        """Fields left unset take the --algo preset's value, so a Config built in code is as complete
+        as one parsed from the command line. A guide acts only through the anchor p~ = pi_ref * q,
+        so with a guide an unset KL is reverse even where the preset has none."""
+        for key, value in PRESETS.get(self.algo, {}).items():  # an unknown --algo: validate_config says so
+            if getattr(self, key) is None:
+                setattr(self, key, "reverse" if key == "kl" and self.guide != "none" else value)
 
-# Presets: values for the fields the user did not set. BNPO is the Beta-normalized advantage with
-# TRL's "bnpo" token-mean aggregation; DAPO is clip-higher, the global token mean and dynamic
-# sampling. The paper runs both without KL.
-PRESETS = {
-    "grpo": dict(advantage="grpo", loss_agg="grpo", eps_high=0.2, kl="reverse", dynamic_sampling=0),
-    "dr_grpo": dict(advantage="dr_grpo", loss_agg="dr_grpo", eps_high=0.2, kl="reverse", dynamic_sampling=0),
-    "bnpo": dict(advantage="bnpo", loss_agg="batch_token_mean", eps_high=0.2, kl="none", dynamic_sampling=0),
-    "dapo": dict(advantage="grpo", loss_agg="dapo", eps_high=0.28, kl="none", dynamic_sampling=1),
-}
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    """CLI -> Config: explicit flags win, then the --algo preset, then the demo sizes, then defaults."""
+    """CLI -> Config: explicit flags win, then the demo sizes (no --model), then the --algo preset,
+    then the defaults."""
     demo_sizes = ", ".join(f"--{key.replace('_', '-')} {value}" for key, value in demo.DEMO_SIZES.items())
     explicit, parser = cli.parse(
         Config, argv, prog="sage.py", description=__doc__.split("\n")[0],
@@ -247,22 +258,15 @@ def parse_config(argv: list[str] | None = None) -> Config:
                "shared with the colocated vLLM engine (gradient checkpointing on, micro-batch 4, the engine "
                f"sleeping during the update). Without --model (the CPU demo) they become: {demo_sizes}.",
     )
-    values = {} if explicit.get("model") else dict(demo.DEMO_SIZES)
-    algo = explicit.get("algo", Config.algo)
-    if algo not in PRESETS:
-        parser.error(f"unknown --algo {algo!r}: choose one of {', '.join(PRESETS)}")
-    values.update(PRESETS[algo])
-    values.update(explicit)
-    config = Config(**values)
-    if config.guide != "none" and config.kl == "none" and "kl" not in explicit:
-        # A guide acts only through the anchor p~ = pi_ref * q: a preset without KL keeps it.
-        config.kl = "reverse"
+    config = Config(**{**({} if explicit.get("model") else demo.DEMO_SIZES), **explicit})
     validate_config(config, parser.error)
     return config
 
 
 def validate_config(config: Config, error) -> None:
     """One-line errors for settings that cannot run."""
+    if config.algo not in PRESETS:  # first: the fields it would have set are still unset
+        error(f"unknown --algo {config.algo!r}: choose one of {', '.join(PRESETS)}")
     checks = [
         (config.guide in guides.GUIDES, f"unknown --guide {config.guide!r}: choose one of {', '.join(guides.GUIDES)}"),
         (config.kl in loss.KL_MODES, f"unknown --kl {config.kl!r}: choose one of {', '.join(loss.KL_MODES)}"),
@@ -276,6 +280,7 @@ def validate_config(config: Config, error) -> None:
         (config.micro_batch_size >= 1, "--micro-batch-size must be >= 1"),
         (config.max_prompt_len < config.max_seq_len, "--max-prompt-len must be below --max-seq-len"),
         (config.beta >= 0, "--beta must be >= 0"),
+        (0 <= config.eps_low < 1 and config.eps_high >= 0, "--eps-low must be in [0, 1) and --eps-high >= 0"),
         (not (config.guide != "none" and (config.kl == "none" or config.beta == 0)),
          f"--guide {config.guide} acts only through the KL anchor: use --kl reverse with --beta > 0"),
         (config.kl_estimator != "k1_return" or config.kl == "reverse", "--kl-estimator k1_return needs --kl reverse"),
@@ -525,11 +530,15 @@ def collect_rollouts(engine, sampler: PromptSampler, prompts: list[list[int]], p
 def held_fixed_logps(policy, frozen_reference, batch: dict, config: Config, need_old: bool) -> dict:
     """The per-token log-probs that stay fixed during the update: the reference's (unless beta = 0
     or no KL) and, when the update needs them before its own forward pass (ppo_epochs > 1, or
-    k1_return), the old policy's log-probs and entropies. Each [B, C]."""
+    k1_return), the old policy's log-probs and entropies (with the sampler's min-p, on-policy).
+    Each [B, C]."""
     fixed = {}
     if config.kl != "none" and config.beta > 0:
         with models.reference_mode(policy, frozen_reference) as reference:
-            fixed["ref_logps"], _ = loss.completion_logps(reference, batch, config.temperature, config.min_p)
+            # The reference's full softmax (the authors' anchor); replaying min-p there too would
+            # act as an implicit guide q = 1 / M_ref >= 1 at every position (docs/min-p.md).
+            ref_min_p = config.min_p if config.reference_min_p else 0.0
+            fixed["ref_logps"], _ = loss.completion_logps(reference, batch, config.temperature, ref_min_p)
     if need_old:
         fixed["old_logps"], fixed["entropies"] = loss.completion_logps(policy, batch, config.temperature, config.min_p)
     return fixed
@@ -650,7 +659,7 @@ def update_policy(policy, frozen_reference, optimizer, rollouts: Rollouts, rewar
                 log_q=fixed["log_q"], beta=config.beta, kl=config.kl, kl_estimator=config.kl_estimator,
                 eps_low=config.eps_low, eps_high=config.eps_high, aggregation=config.loss_agg,
                 max_completion_length=max_completion, global_num_tokens=step_tokens, entropies=entropies,
-                importance_weights=importance,
+                importance_weights=importance, q_constant_per_position=guide_config.name in ("branch", "random"),
             )
             if not torch.isfinite(micro_loss):
                 raise FloatingPointError(f"the loss is {micro_loss.item()} at step {step}; stopped, the last "

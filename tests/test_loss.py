@@ -487,7 +487,7 @@ def test_policy_loss_and_metrics_by_hand():
     case = hand_case()
     beta = 0.1
     logps = case["logps"].clone().requires_grad_(True)
-    total, metrics = loss.policy_loss(**{**case, "logps": logps}, beta=beta)
+    total, metrics = loss.policy_loss(**{**case, "logps": logps}, beta=beta, q_constant_per_position=True)
 
     # Independently, in float64, token by token (eps = 0.2 both sides, grpo aggregation).
     mask = case["completion_mask"].double()
@@ -510,7 +510,7 @@ def test_policy_loss_and_metrics_by_hand():
         "loss": expected_loss.item(),
         "kl/ref_k3": token_mean(ref_log_u.exp() - 1 - ref_log_u),
         "kl/anchor_k3": token_mean(k3),
-        "kl/k3_offset": token_mean(q - 1 - log_q),  # E[k3] - KL = q - 1 - log q per token
+        "kl/anchor_offset": token_mean(q - 1 - log_q),  # E[k3] - KL = q - 1 - log q per token
         "q/mean": (1.0 + 1.3 + 1.0 + 0.8 + 1.0) / 5,
         "q/min": 0.8,
         "q/max": 1.3,
@@ -550,13 +550,31 @@ def test_branch_guide_from_the_policys_own_forward_pass_sends_gradient_only_to_t
     expected_q = (1 + 0.3 * (entropies - 1.2).clamp_min(0)).clamp(0.6, 1.4)
     torch.testing.assert_close(log_q, expected_q.log() * mask)
     total, metrics = loss.policy_loss(logps, logps.detach(), torch.tensor([1.0, -1.0]), mask,
-                                      ref_logps=logps.detach(), log_q=log_q, entropies=entropies)
+                                      ref_logps=logps.detach(), log_q=log_q, entropies=entropies,
+                                      q_constant_per_position=True)
     total.backward()
     assert logits.grad is not None and torch.isfinite(logits.grad).all()
     assert metrics["q/frac_active"] == 1.0 and metrics["q/min"] > 1.0  # every H_t > tau here
     assert metrics["kl/ref_k3"] == 0.0  # pi = pi_ref
     # ... while k3 against p~ = pi_ref q reads q - 1 - log q per token (docs/fixed-points.md).
-    assert metrics["kl/anchor_k3"] == pytest.approx(metrics["kl/k3_offset"], rel=1e-5)
+    assert metrics["kl/anchor_k3"] == pytest.approx(metrics["kl/anchor_offset"], rel=1e-5)
+
+
+def test_the_k3_offset_is_logged_only_where_it_is_defined():
+    """The token guide gives q only to the sampled token: E_ref[q] at a position, and so the offset
+    E[k3 against p~] - KL = E_ref[q] - 1 - E_pi[log q], cannot be computed from the samples."""
+    case = hand_case()
+    _, metrics = loss.policy_loss(**case, beta=0.1)
+    assert "kl/anchor_offset" not in metrics and "q/mean" in metrics
+
+
+def test_negative_clip_epsilons_are_rejected():
+    """eps_high = -1 would clip the ratio to [0.8, 0.0] and silently drop every positive advantage's gradient."""
+    case = hand_case()
+    with pytest.raises(ValueError, match="eps_high >= 0"):
+        loss.policy_loss(**case, eps_high=-1.0)
+    with pytest.raises(ValueError, match="0 <= eps_low < 1"):
+        loss.policy_loss(**case, eps_low=1.5)
 
 
 def test_policy_loss_gradient_never_flows_into_the_anchor_or_the_signals():

@@ -28,10 +28,10 @@ def test_paper_defaults_for_model_runs():
 @pytest.mark.parametrize(
     "algo, expected",
     [
-        ("grpo", dict(advantage="grpo", loss_agg="grpo", eps_high=0.2, kl="reverse", dynamic_sampling=0)),
+        ("grpo", dict(advantage="grpo", loss_agg="grpo", eps_high=0.2, kl="reverse", dynamic_sampling=False)),
         ("dr_grpo", dict(advantage="dr_grpo", loss_agg="dr_grpo", eps_high=0.2, kl="reverse")),
         ("bnpo", dict(advantage="bnpo", loss_agg="batch_token_mean", kl="none")),
-        ("dapo", dict(advantage="grpo", loss_agg="dapo", eps_high=0.28, kl="none", dynamic_sampling=1)),
+        ("dapo", dict(advantage="grpo", loss_agg="dapo", eps_high=0.28, kl="none", dynamic_sampling=True)),
     ],
 )
 def test_algo_presets(algo, expected):
@@ -179,3 +179,45 @@ def test_sft_lowers_the_loss(tiny):
     losses = sage.sft(model, pairs, tokenizer.pad_token_id, config, epochs=3, lr=3e-3, batch_size=4, warmup_steps=1,
                       progress=False)
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_a_config_built_in_code_is_complete():
+    """Config() outside the CLI takes its preset's values: no sentinel reaches the loss (an
+    eps_high of -1 would clip the ratio to [0.8, 0.0] and drop every positive advantage)."""
+    config = sage.Config()
+    assert (config.advantage, config.loss_agg, config.eps_high, config.kl, config.dynamic_sampling) == (
+        "grpo", "grpo", 0.2, "reverse", False)
+    dapo = sage.Config(algo="dapo")
+    assert (dapo.eps_high, dapo.kl, dapo.dynamic_sampling, dapo.loss_agg) == (0.28, "none", True, "dapo")
+    assert sage.Config(algo="dapo", guide="branch").kl == "reverse"  # a guide keeps its anchor
+    assert sage.Config(algo="dapo", eps_high=0.3).eps_high == 0.3
+
+
+def test_plain_grpo_anchors_to_the_full_softmax_reference(tiny):
+    """With q = 1 the anchor is exactly pi_ref, the reference's full softmax at the sampling
+    temperature (the authors' anchor). Replaying the sampler's min-p on it would renormalize over
+    the kept tokens: an implicit guide q = 1 / M_ref >= 1, M_ref the reference mass min-p keeps."""
+    model, tokenizer = tiny
+    prompt, completion = tokenizer("What is 3 + 4?")["input_ids"], tokenizer("3+4=7")["input_ids"]
+    batch = loss.collate([prompt, prompt[1:]], [completion, completion[:4]], tokenizer.pad_token_id, "cpu")
+    config = sage.Config(model="m", temperature=0.8, min_p=0.3)
+    full = sage.held_fixed_logps(model, model, batch, config, need_old=False)["ref_logps"]
+    replayed = sage.held_fixed_logps(model, model, batch, dataclasses.replace(config, reference_min_p=True),
+                                     need_old=False)["ref_logps"]
+    with torch.no_grad():
+        positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"], logits_to_keep=positions).logits
+    expected, _ = loss.plain_token_logps_and_entropies(logits, batch["completion_ids"], 0.8, 0.0)
+    mask = batch["completion_mask"].bool()
+    torch.testing.assert_close(full[mask], expected[mask], atol=1e-5, rtol=0)
+    probs = (logits / 0.8).softmax(-1)
+    kept_mass = torch.where(probs >= 0.3 * probs.amax(-1, keepdim=True), probs, 0.0).sum(-1)  # M_ref [B, C]
+    implicit_log_q = (replayed - full)[mask]
+    assert (implicit_log_q >= -1e-6).all() and implicit_log_q.max() > 1e-3
+    # the sampled token may sit below the min-p threshold here (these tokens were not sampled): then
+    # the replay keeps it as the sampler would have, and M_ref gains its own mass
+    own = probs.gather(-1, batch["completion_ids"][..., None]).squeeze(-1)
+    below = own < 0.3 * probs.amax(-1)
+    kept_mass = torch.where(below, kept_mass + own, kept_mass)
+    torch.testing.assert_close(implicit_log_q, -kept_mass.log()[mask], atol=1e-5, rtol=0)

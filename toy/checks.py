@@ -560,7 +560,7 @@ def check_k3_value() -> list[Result]:
     """E_pi[k3] = KL(pi || p) + (Z - 1 - log Z), p = p~ / Z (SPEC section 8).
 
     So a logged k3 against p~ is offset even at pi = pi_ref; with a position-constant q (branch
-    guide) the offset of a token is q - 1 - log q, what policy_loss logs as kl/k3_offset.
+    guide) the offset of a token is q - 1 - log q, what policy_loss logs as kl/anchor_offset.
     """
     p = problems.bandit()
     pi = torch.softmax(problems.tensor([0.3, -0.2, 0.5, 0.0, -0.4]), dim=0)
@@ -572,7 +572,7 @@ def check_k3_value() -> list[Result]:
     k3_plain = loss.anchor_penalty(logps, p.ref_logps, "reverse", "k3")[:, 0]
     _, metrics = loss.policy_loss(
         logps, logps, torch.zeros(len(pi), dtype=DTYPE), torch.ones_like(logps), p.ref_logps,
-        torch.full_like(logps, math.log(q_position)),
+        torch.full_like(logps, math.log(q_position)), q_constant_per_position=True,
     )
     offset = q_position - 1.0 - math.log(q_position)
     return [
@@ -582,8 +582,8 @@ def check_k3_value() -> list[Result]:
         equal("k3_offset_of_position_constant_q", "e",
               "E_pi[k3 vs pi_ref q] - E_pi[k3 vs pi_ref] vs q - 1 - log q, q = 1.3",
               (pi * (k3_guided - k3_plain)).sum(), offset, 1e-12),
-        equal("k3_offset_logged_by_policy_loss", "e", "policy_loss metrics kl/k3_offset vs q - 1 - log q",
-              metrics["kl/k3_offset"], offset, 1e-6),
+        equal("k3_offset_logged_by_policy_loss", "e", "policy_loss metrics kl/anchor_offset vs q - 1 - log q",
+              metrics["kl/anchor_offset"], offset, 1e-6),
     ]
 
 
