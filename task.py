@@ -10,7 +10,9 @@
    answers by matching every person's role (their answers are sentences). ``grade`` is serial;
    ``grade_batch`` runs ``grading_pool.GradingPool`` workers with a hard per-item timeout.
 4. The reward r(x, y) in {0, 1} (section 5.1): ``math_reward``, a function over a batch of
-   completions with their problems and reference answers -- the signature of any reward.
+   completions with their problems and reference answers -- the signature of any reward; the
+   trainer's ``--reward module:function`` (or ``path/to/file.py:function``) plugs in another one,
+   checked by ``load_reward_function``.
 
 Grading choices the paper leaves open: a short answer inside <SOLUTION> is read as LaTeX (wrapped
 in ``$...$``) unless it is prose or a plain number; the reference answer likewise.
@@ -20,11 +22,15 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib
+import importlib.util
+import inspect
 import logging
 import math
+import os
 import re
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 from math_verify import parse, verify
 
@@ -248,3 +254,66 @@ def math_reward(completions: Sequence[str], problems: Sequence[str], answers: Se
     reference answers, one each, and returns one float per completion. This is the paper's.
     """
     return [float(correct) for correct in grade_batch(completions, answers)]
+
+
+class RewardError(ValueError):
+    """A reward function that cannot be used; the message names the problem and the fix."""
+
+
+def load_reward_function(spec: str) -> Callable[[Sequence[str], Sequence[str], Sequence[str]], list[float]]:
+    """The reward named by ``--reward``: "" for ``math_reward``, else ``module:function`` (an
+    importable module) or ``path/to/file.py:function``, wrapped by ``checked_reward``.
+
+    >>> load_reward_function("task:math_reward").__name__
+    'math_reward'
+    """
+    if not spec:
+        return math_reward
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise RewardError(f"--reward {spec!r}: write module:function or path/to/file.py:function")
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise RewardError(f"--reward {spec!r}: no file {where!r}")
+            module_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except RewardError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- whatever the user's module raises on import
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise RewardError(f"--reward {spec!r}: cannot import {where!r} ({type(error).__name__}: {first[:160]}); "
+                          "pass an importable module or a .py file") from None
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise RewardError(f"--reward {spec!r}: {where!r} has no function {name!r}")
+    try:
+        inspect.signature(function).bind(["completion"], ["problem"], ["answer"])
+    except (TypeError, ValueError):
+        raise RewardError(f"--reward {spec!r}: a reward takes (completions, problems, answers), three lists, "
+                          f"and returns one float per completion; {name}{inspect.signature(function)} does not") from None
+    return checked_reward(function, spec)
+
+
+def checked_reward(function: Callable, name: str) -> Callable:
+    """``function`` with its output checked: one finite number per completion, else a one-line error."""
+
+    def reward(completions: Sequence[str], problems: Sequence[str], answers: Sequence[str]) -> list[float]:
+        values = function(list(completions), list(problems), list(answers))
+        try:
+            values = [float(value) for value in values]
+        except (TypeError, ValueError):
+            raise RewardError(f"reward {name} returned {type(values).__name__} {str(values)[:80]}; it must return one "
+                              "float per completion") from None
+        if len(values) != len(completions):
+            raise RewardError(f"reward {name} returned {len(values)} values for {len(completions)} completions")
+        bad = next((i for i, value in enumerate(values) if not math.isfinite(value)), None)
+        if bad is not None:
+            raise RewardError(f"reward {name} returned {values[bad]} for completion {bad}: rewards must be finite")
+        return values
+
+    reward.__name__ = getattr(function, "__name__", "reward")
+    return reward

@@ -89,3 +89,52 @@ def test_perplexity_subcommand_scores_saved_completions_under_the_base_model(tmp
         correct = [c["token_ids"] for c in row["completions"] if c["correct"]]
         expected = analysis.completion_perplexities(model, [row["prompt_ids"]] * 2, correct, progress=False)
         assert values["b:1"][label] == pytest.approx(expected, rel=1e-5)
+
+
+def capture_figures(monkeypatch):
+    figures = []
+    monkeypatch.setattr(analysis, "_save_figure", lambda figure, out: figures.append(figure))
+    monkeypatch.setattr(analysis.plt, "close", lambda figure: None)
+    return figures
+
+
+def test_pass_at_k_plots_show_k_and_the_standard_errors_as_error_bars(monkeypatch):
+    from matplotlib.container import ErrorbarContainer
+
+    figures = capture_figures(monkeypatch)
+    summary = {str(k): {"mean": 0.1 * k, "std": 0.0, "stderr": 0.01 * k} for k in (1, 2, 4, 8)}
+    analysis.plot_pass_at_k({"GRPO": {"benchmarks": {"b": {"pass_at_k": summary}}}}, "unused.png")
+    axis = figures[0].axes[0]
+    assert [label.get_text() for label in axis.get_xticklabels()] == ["1", "2", "4", "8"]
+    (bars,) = [container for container in axis.containers if isinstance(container, ErrorbarContainer)]
+    half_heights = [abs(segment[1][1] - segment[0][1]) / 2 for segment in bars.lines[2][0].get_segments()]
+    assert half_heights == pytest.approx([0.01, 0.02, 0.04, 0.08])
+
+
+def test_plot_of_a_run_directory_draws_its_training_curves_and_evaluations(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    metrics = [{"step": s, "reward": s / 10, "accuracy": s / 10, "kl/ref_k3": 0.01, "kl/anchor_k3": 0.02,
+                "entropy": 1.0, "q/mean": 1.1, "q/min": 1.0, "q/max": 1.3, "response_length": 20 + s} for s in range(4)]
+    write_jsonl(run / "metrics.jsonl", metrics)
+    write_jsonl(run / "eval.jsonl", [{"step": s, "benchmark": "demo", "n": 8, "pass@1": 0.3 + s / 10, "pass@8": 0.9}
+                                      for s in (0, 2, 4)])
+    assert evaluate.main(["plot", str(run)]) == 0
+    assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    figures = capture_figures(monkeypatch)
+    analysis.plot_run([str(run)], "unused.png")
+    titles = [axis.get_title() for axis in figures[0].axes]
+    assert titles == ["reward", "KL estimates", "entropy (nats)", "guide q", "response length (tokens)",
+                      "pass@k (--eval-every)"]
+    evaluation_lines = figures[0].axes[5].get_lines()
+    assert [line.get_label() for line in evaluation_lines] == ["demo pass@1", "demo pass@8"]
+    assert list(evaluation_lines[0].get_xdata()) == [0, 2, 4]
+    with pytest.raises(analysis.AnalysisError, match="no metrics.jsonl"):
+        analysis.plot_run([str(tmp_path)], "unused.png")
+
+
+def test_evaluate_help_names_every_subcommand(capsys):
+    with pytest.raises(SystemExit):
+        evaluate.main(["--help"])
+    text = capsys.readouterr().out
+    assert all(name in text for name in ("plot", "patterns", "perplexity"))

@@ -35,3 +35,11 @@ def test_no_install_path_compiles_flash_attn():
     project = tomllib.loads(read("pyproject.toml"))["project"]
     requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
     assert not [r for r in requirements if "flash" in r], "pip would build flash-attn from source"
+
+
+def test_every_module_is_installed_and_its_doctests_run():
+    project = tomllib.loads(read("pyproject.toml"))
+    modules = sorted(name[:-3] for name in os.listdir(REPO) if name.endswith(".py"))
+    assert sorted(project["tool"]["setuptools"]["py-modules"]) == modules
+    testpaths = project["tool"]["pytest"]["ini_options"]["testpaths"]
+    assert [name for name in modules if f"{name}.py" not in testpaths] == []

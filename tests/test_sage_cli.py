@@ -40,8 +40,10 @@ def test_two_step_cli_run(tmp_path, algo, guide):
     # DAPO trains only on groups whose rewards differ: overlong shaping makes rewards depend on the
     # length, so the tiny run's groups carry signal and every step updates.
     shaping = ["--overlong-buffer", "60"] if algo == "dapo" else []
-    result = run_sage([*TINY, *shaping, "--algo", algo, "--guide", guide, "--name", "run"], tmp_path,
-                      VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing)
+    # One run reports to TensorBoard and W&B (offline: no network) besides metrics.jsonl.
+    trackers = ["--report-to", "tensorboard,wandb"] if algo == "dr_grpo" else []
+    result = run_sage([*TINY, *shaping, *trackers, "--algo", algo, "--guide", guide, "--name", "run"], tmp_path,
+                      VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing, WANDB_MODE="offline", WANDB_SILENT="true")
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "run"
     metrics = read_metrics(run_dir)
@@ -54,13 +56,18 @@ def test_two_step_cli_run(tmp_path, algo, guide):
             assert "q/mean" in record and record["q/min"] >= 0.6 - 1e-6 and record["q/max"] <= 1.4 + 1e-6
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary["before"]) == set(summary["after"]) == {"pass@1", "pass@2"}
-    assert (run_dir / "passk.png").stat().st_size > 0
+    assert (run_dir / "passk.png").stat().st_size > 0 and (run_dir / "curves.png").stat().st_size > 0
+    evaluations = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in evaluations] == [0, 2] and all("pass@1" in row for row in evaluations)
+    if trackers:
+        assert os.listdir(run_dir / "tensorboard") and any(
+            name.startswith("offline-run-") for name in os.listdir(run_dir / "wandb"))
     assert json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())["step"] == 2
 
 
 @pytest.mark.slow
 def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
-    common = [*TINY, "--steps", "4", "--backend", "hf", "--guide", "token"]
+    common = [*TINY, "--steps", "4", "--backend", "hf", "--guide", "token", "--eval-every", "2"]
     whole = run_sage([*common, "--name", "whole"], tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
     first = run_sage([*common, "--name", "split", "--stop-after", "2"], tmp_path)
@@ -74,6 +81,11 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
     def comparable(records):
         return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
 
+    def evaluations(run):
+        return [json.loads(line) for line in (tmp_path / run / "eval.jsonl").read_text().splitlines()]
+
+    assert [row["step"] for row in evaluations("split")] == [0, 2, 4]
+    assert evaluations("split") == evaluations("whole")  # pass@k of the same policies, resumed or not
     expected, resumed = comparable(read_metrics(tmp_path / "whole")), comparable(read_metrics(tmp_path / "split"))
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     assert len(expected) == len(resumed)
@@ -129,3 +141,24 @@ def test_sft_only_writes_the_sft_model_and_its_stats(tmp_path, tiny_model_dir):
     assert stats["kept"] == 6 and stats["dropped_too_long"] == 1 and stats["max_tokens"] == 128
     assert (tmp_path / "sft" / "sft_model" / "config.json").exists()
     assert not (tmp_path / "sft" / "metrics.jsonl").exists()
+
+
+def test_a_plug_in_reward_is_the_one_trained_on(tmp_path):
+    """--reward path.py:function: the trainer calls it on each step's completions, problems and
+    reference answers, and trains on what it returns."""
+    (tmp_path / "my_reward.py").write_text(
+        "import json\n"
+        "def quarter(completions, problems, answers):\n"
+        "    with open(__file__ + '.calls', 'a') as handle:\n"
+        "        handle.write(json.dumps([len(completions), problems[0], answers[0]]) + '\\n')\n"
+        "    return [0.25] * len(completions)\n"
+    )
+    result = run_sage([*TINY, "--steps", "1", "--backend", "hf", "--name", "plug",
+                       "--reward", f"{tmp_path / 'my_reward.py'}:quarter"], tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    calls = [json.loads(line) for line in (tmp_path / "my_reward.py.calls").read_text().splitlines()]
+    assert calls and calls[0][0] == 4 and calls[0][1].startswith(("What", "Compute", "Add")) and calls[0][2].isdigit()
+    assert read_metrics(tmp_path / "plug")[0]["reward"] == 0.25
+    bad = run_sage([*TINY, "--steps", "1", "--backend", "hf", "--name", "bad-reward",
+                    "--reward", "no_such_module_xyz:f"], tmp_path, timeout=600)
+    assert bad.returncode != 0 and "cannot import 'no_such_module_xyz'" in bad.stderr.strip().splitlines()[-1]
