@@ -19,6 +19,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 
 import torch
 from peft import set_peft_model_state_dict
@@ -89,6 +90,31 @@ def truncate_jsonl(path: str, before_step: int) -> None:
     """On resume: drop the lines of steps the checkpoint does not include (they will be redone)."""
     if os.path.exists(path):
         write_jsonl_atomic(path, [row for row in read_jsonl(path) if row["step"] < before_step])
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of a step, accumulated over the step.
+
+    >>> timer = PhaseTimer()
+    >>> with timer("reward"):
+    ...     pass
+    >>> list(timer.record())
+    ['time/reward_s']
+    """
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
+
+    def record(self) -> dict[str, float]:
+        return {f"time/{phase}_s": seconds for phase, seconds in self.seconds.items()}
 
 
 # --------------------------------------------------------------------------------------------

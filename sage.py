@@ -487,16 +487,20 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def collect_rollouts(engine, sampler: PromptSampler, prompts: list[list[int]], problems: list[dict], config: Config,
-                     step: int, reward_function=math_reward) -> tuple[Rollouts, torch.Tensor, int, int]:
+                     step: int, reward_function=math_reward, timer: runs.PhaseTimer | None = None
+                     ) -> tuple[Rollouts, torch.Tensor, int, int]:
     """Prompts -> G completions each -> rewards; with DAPO's dynamic sampling, the groups whose
     rewards are all equal (no signal) are dropped and fresh prompts refill the batch.
 
     Returns (rollouts, rewards [N], groups sampled, groups without signal).
     """
+    timer = timer or runs.PhaseTimer()
     chosen = sampler.take(config.prompts_per_step)
-    rollouts = generate_rollouts(engine, [prompts[i] for i in chosen], [problems[i] for i in chosen], config,
-                                 rollout_seed(config.seed, step))
-    rewards = compute_rewards(rollouts, config, reward_function)
+    with timer("rollout"):
+        rollouts = generate_rollouts(engine, [prompts[i] for i in chosen], [problems[i] for i in chosen], config,
+                                     rollout_seed(config.seed, step))
+    with timer("reward"):
+        rewards = compute_rewards(rollouts, config, reward_function)
     informative = informative_groups(rewards, config.rollouts)
     num_groups, num_zero_signal = config.prompts_per_step, int((~informative).sum())
     if not config.dynamic_sampling:
@@ -507,9 +511,11 @@ def collect_rollouts(engine, sampler: PromptSampler, prompts: list[list[int]], p
         if sum(int(flags.sum()) for _, _, flags in kept) * config.rollouts >= wanted:
             break
         chosen = sampler.take(config.prompts_per_step)
-        more = generate_rollouts(engine, [prompts[i] for i in chosen], [problems[i] for i in chosen], config,
-                                 rollout_seed(config.seed, step, refill_round))
-        more_rewards = compute_rewards(more, config, reward_function)
+        with timer("rollout"):
+            more = generate_rollouts(engine, [prompts[i] for i in chosen], [problems[i] for i in chosen], config,
+                                     rollout_seed(config.seed, step, refill_round))
+        with timer("reward"):
+            more_rewards = compute_rewards(more, config, reward_function)
         more_informative = informative_groups(more_rewards, config.rollouts)
         num_groups += config.prompts_per_step
         num_zero_signal += int((~more_informative).sum())
@@ -618,9 +624,11 @@ def engine_gap(old_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.
 
 def update_policy(policy, frozen_reference, optimizer, rollouts: Rollouts, rewards: torch.Tensor,
                   advantages: torch.Tensor, config: Config, guide_config: guides.GuideConfig,
-                  guide_generator: torch.Generator, step: int, pad_id: int) -> dict:
+                  guide_generator: torch.Generator, step: int, pad_id: int,
+                  timer: runs.PhaseTimer | None = None) -> dict:
     """Old/ref log-probs -> the guide's log q -> loss -> backward, over micro-batches; then one
-    AdamW step. Returns the step's metrics."""
+    AdamW step. Returns the step's metrics (its phases' times go to ``timer``)."""
+    timer = timer or runs.PhaseTimer()
     device = next(policy.parameters()).device
     total_rows = len(rollouts.completion_ids)
     micro_batches = [list(range(start, min(start + config.micro_batch_size, total_rows)))
@@ -630,10 +638,31 @@ def update_policy(policy, frozen_reference, optimizer, rollouts: Rollouts, rewar
     need_old = config.ppo_epochs > 1 or config.kl_estimator == "k1_return"
     batches = [loss.collate([rollouts.prompt_ids[i] for i in rows], [rollouts.completion_ids[i] for i in rows],
                             pad_id, device) for rows in micro_batches]
-    held_fixed = [held_fixed_logps(policy, frozen_reference, batch, config, need_old) for batch in batches]
-    if config.kl_estimator == "k1_return" and config.kl == "reverse" and config.beta > 0:
-        advantages = return_shaped_advantages(rewards, micro_batches, batches, held_fixed, config, guide_config,
-                                              guide_generator, step)
+    with timer("reference"):
+        held_fixed = [held_fixed_logps(policy, frozen_reference, batch, config, need_old) for batch in batches]
+        if config.kl_estimator == "k1_return" and config.kl == "reverse" and config.beta > 0:
+            advantages = return_shaped_advantages(rewards, micro_batches, batches, held_fixed, config, guide_config,
+                                                  guide_generator, step)
+    with timer("update"):
+        metrics = accumulate_gradients(policy, rollouts, micro_batches, batches, held_fixed, advantages, config,
+                                              guide_config, guide_generator, step, max_completion, step_tokens)
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm).item()
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(f"the gradient norm is {grad_norm} at step {step}; stopped, the last checkpoint "
+                                     "is kept; lower --lr or --beta")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {**metrics, "grad_norm": grad_norm}
+
+
+def accumulate_gradients(policy, rollouts: Rollouts, micro_batches: list[list[int]], batches: list[dict],
+                         held_fixed: list[dict], advantages: torch.Tensor, config: Config,
+                         guide_config: guides.GuideConfig, guide_generator: torch.Generator, step: int,
+                         max_completion: int, step_tokens: float) -> dict:
+    """The policy's forward pass, the guide's log q from it, the loss and its backward, micro-batch
+    by micro-batch, the gradients accumulating into the step's. Returns the averaged metrics."""
+    device = next(policy.parameters()).device
+    total_rows = len(rollouts.completion_ids)
     policy.train()
     metrics = StepMetrics()
     for _ in range(config.ppo_epochs):
@@ -662,13 +691,7 @@ def update_policy(policy, frozen_reference, optimizer, rollouts: Rollouts, rewar
             weight = micro_batch_weight(config.loss_agg, len(rows), total_rows, len(micro_batches)) / config.ppo_epochs
             (micro_loss * weight).backward()
             metrics.add({**micro_metrics, **engine_gap(old_logps, engine_logps, mask)}, len(rows))
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm).item()
-    if not math.isfinite(grad_norm):
-        raise FloatingPointError(f"the gradient norm is {grad_norm} at step {step}; stopped, the last checkpoint "
-                                 "is kept; lower --lr or --beta")
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {**metrics.result(), "grad_norm": grad_norm}
+    return metrics.result()
 
 
 # --------------------------------------------------------------------------------------------
@@ -768,7 +791,7 @@ def log_evaluation(rows: list[dict], run_dir: str, trackers: Trackers, progress)
 
 
 def step_record(step: int, rollouts: Rollouts, rewards: torch.Tensor, num_groups: int, num_zero_signal: int,
-                metrics: dict, rollout_s: float, update_s: float, lr: float) -> dict:
+                metrics: dict, times: dict, lr: float) -> dict:
     """One line of metrics.jsonl."""
     lengths = [len(c) for c in rollouts.completion_ids]
     return {
@@ -780,8 +803,7 @@ def step_record(step: int, rollouts: Rollouts, rewards: torch.Tensor, num_groups
         "frac_truncated": sum(r == "length" for r in rollouts.finish_reasons) / max(1, len(lengths)),
         "lr": lr,
         **metrics,
-        "time/rollout_s": rollout_s,
-        "time/update_s": update_s,
+        **times,
     }
 
 
@@ -818,30 +840,31 @@ def main(argv: list[str] | None = None) -> dict:
 
     zero_reward_streak, finished = 0, True
     for step in progress:
-        started = time.perf_counter()
+        timer, started = runs.PhaseTimer(), time.perf_counter()
         # 1-3. prompts -> rollouts -> rewards (DAPO: groups without signal dropped and refilled)
         rollouts, rewards, num_groups, num_zero_signal = collect_rollouts(engine, sampler, prompts, problems, config,
-                                                                          step, reward_function)
-        rollout_s = time.perf_counter() - started
-        engine.sleep(level=2)  # CUDA: drop the engine's weights and KV cache for the update; CPU: no-op
+                                                                          step, reward_function, timer)
+        with timer("sleep"):
+            engine.sleep(level=2)  # CUDA: drop the engine's weights and KV cache for the update; CPU: no-op
         zero_reward_streak = zero_reward_streak + 1 if rewards.numel() == 0 or rewards.max() <= 0 else 0
         if zero_reward_streak == config.zero_reward_warning:
             tqdm.write(f"warning: {zero_reward_streak} steps in a row with all-zero rewards: no learning signal; "
                        "check the answer format and the reward, or warm-start with --sft-dataset")
-        started = time.perf_counter()
         metrics = {}
         if rewards.numel() > 0:  # (dynamic sampling may find no group with signal: nothing to learn)
             # 4. advantages
             advantages = loss.compute_advantages(rewards, config.rollouts, config.advantage)
             # 5-8. old/ref log-probs -> the guide's log q -> loss -> AdamW
             metrics = update_policy(policy, frozen_reference, optimizer, rollouts, rewards, advantages, config,
-                                    guide_config, guide_generator, step, tokenizer.pad_token_id)
+                                    guide_config, guide_generator, step, tokenizer.pad_token_id, timer)
         scheduler.step()
         # 9. weight sync into the engine
-        engine.sync_weights(policy)
-        update_s = time.perf_counter() - started
+        with timer("sync"):
+            engine.sync_weights(policy)
         # 10. metrics, and pass@k every --eval-every steps
-        record = step_record(step, rollouts, rewards, num_groups, num_zero_signal, metrics, rollout_s, update_s,
+        times = {**timer.record(), "time/step_s": time.perf_counter() - started}
+        times["time/other_s"] = times["time/step_s"] - sum(timer.seconds.values())
+        record = step_record(step, rollouts, rewards, num_groups, num_zero_signal, metrics, times,
                              scheduler.get_last_lr()[0])
         trackers.log(record, step)
         progress.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record.get('kl/ref_k3', 0.0):.4f}")

@@ -49,7 +49,8 @@ def test_two_step_cli_run(tmp_path, algo, guide):
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1]
     for record in metrics:
-        for key in ("reward", "accuracy", "frac_zero_signal_groups", "response_length", "time/rollout_s", "time/update_s"):
+        for key in ("reward", "accuracy", "frac_zero_signal_groups", "response_length", "time/rollout_s", "time/reward_s",
+                    "time/reference_s", "time/update_s", "time/sync_s", "time/step_s", "time/other_s"):
             assert key in record
         assert "loss" in record and "grad_norm" in record and "entropy" in record
         if guide != "none":
