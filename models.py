@@ -58,9 +58,11 @@ def enable_gradient_checkpointing(model) -> None:
     model.config.use_cache = False
 
 
-def load_base_model(path: str, gradient_checkpointing: bool = False):
-    """The base model and tokenizer from a hub name or a local directory, with a clear error."""
-    device, dtype = device_and_dtype()
+def load_base_model(path: str, gradient_checkpointing: bool = False, device: str | None = None):
+    """The base model and tokenizer from a hub name or a local directory, with a clear error;
+    on ``device`` (default: the GPU if there is one), in its dtype."""
+    default_device, dtype = device_and_dtype()
+    device = device or default_device
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_implementation())
