@@ -269,10 +269,12 @@ def token_logps_and_entropies(
     return logps.view(token_ids.shape), entropies.view(token_ids.shape)
 
 
-def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device) -> dict:
+def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device, group_size: int = 1) -> dict:
     """Left-padded prompts + right-padded completions in one [B, P + C] batch.
 
     position_ids count real tokens only, so a left-padded row sees the positions the engine saw.
+    With ``group_size`` > 1, rows that come in groups sharing one prompt (GRPO's G completions of
+    a prompt) are marked so, and ``completion_logps`` runs each prompt through the model once.
 
     >>> batch = collate([[5, 6], [7]], [[8], [9, 10]], pad_id=0, device="cpu")
     >>> batch["input_ids"].tolist(), batch["completion_mask"].tolist()
@@ -293,7 +295,10 @@ def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int,
         attention_mask[row, start : prompt_len + len(completion)] = 1
         completion_mask[row, : len(completion)] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+    shared = group_size > 1 and batch % group_size == 0 and all(
+        prompts[row] == prompts[row - row % group_size] for row in range(batch))
     return {
+        "group_size": group_size if shared else 1,
         "input_ids": input_ids.to(device),
         "attention_mask": attention_mask.to(device),
         "position_ids": position_ids.to(device),
@@ -307,7 +312,11 @@ def completion_logps(model, batch: dict, temperature: float, min_p: float) -> tu
 
     Only the C positions that predict completion tokens are projected to the vocabulary
     (``logits_to_keep`` as indices), so the logits arrive contiguous and are never sliced or copied.
+    Rows grouped by prompt (``collate``'s group_size) take ``shared_prompt_logps`` unless the
+    model recomputes activations (gradient checkpointing keeps no cache to share).
     """
+    if batch.get("group_size", 1) > 1 and not getattr(model, "is_gradient_checkpointing", False):
+        return shared_prompt_logps(model, batch, temperature, min_p)
     completion_ids = batch["completion_ids"]
     prompt_len, completion_len = batch["input_ids"].shape[1] - completion_ids.shape[1], completion_ids.shape[1]
     predicting = torch.arange(prompt_len - 1, prompt_len + completion_len - 1, device=completion_ids.device)
@@ -319,6 +328,32 @@ def completion_logps(model, batch: dict, temperature: float, min_p: float) -> tu
         use_cache=False,
     )
     logits = outputs.logits  # [B, C, V]: position t's logits predict completion token t
+    return token_logps_and_entropies(logits, completion_ids, temperature, min_p)
+
+
+def shared_prompt_logps(model, batch: dict, temperature: float, min_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``completion_logps`` for G completions per prompt, each prompt run through the model once.
+
+    The prompts' forward pass keeps its keys and values (the cache); repeated G times along the
+    batch, they serve the completions' forward pass, and the gradient flows back through the
+    repeat into the prompt positions, summed over the group, as it would through G separate
+    copies. A GRPO step of 8 prompts x 8 completions of 65 + 12 tokens then processes 65 + 8 x 12
+    tokens per group instead of 8 x 77: the same log-probs and gradients (tested), a few times
+    fewer tokens when completions are short.
+    """
+    group_size, completion_ids = batch["group_size"], batch["completion_ids"]
+    prompt_len, completion_len = batch["input_ids"].shape[1] - completion_ids.shape[1], completion_ids.shape[1]
+    prompts = slice(None, None, group_size)  # the first row of each group
+    outputs = model(input_ids=batch["input_ids"][prompts, :prompt_len],
+                    attention_mask=batch["attention_mask"][prompts, :prompt_len],
+                    position_ids=batch["position_ids"][prompts, :prompt_len], use_cache=True, logits_to_keep=1)
+    logits = outputs.logits.repeat_interleave(group_size, dim=0)  # [B, 1, V]: predicts completion token 0
+    if completion_len > 1:
+        cache = outputs.past_key_values
+        cache.batch_repeat_interleave(group_size)
+        rest = model(input_ids=batch["input_ids"][:, prompt_len:-1], attention_mask=batch["attention_mask"][:, :-1],
+                     position_ids=batch["position_ids"][:, prompt_len:-1], past_key_values=cache, use_cache=True)
+        logits = torch.cat([logits, rest.logits], dim=1)  # [B, C, V]
     return token_logps_and_entropies(logits, completion_ids, temperature, min_p)
 
 

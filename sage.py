@@ -198,7 +198,7 @@ class Config:
     max_seq_len: int = 2048
     """Prompt + completion tokens (paper: 2,048; R1-distill: 8,192)."""
     max_prompt_len: int = 512
-    """Longer prompts are dropped from the training set."""
+    """Longer prompts are dropped from the training set; completions get --max-seq-len minus this."""
     temperature: float = rollout.SamplingConfig.temperature
     """Sampling temperature (paper: 1.0)."""
     min_p: float = rollout.SamplingConfig.min_p
@@ -444,7 +444,7 @@ def generate_rollouts(engine, prompts: list[list[int]], problems: list[dict], co
     """G completions per prompt from the engine, one call, seeded."""
     sampling = rollout.SamplingConfig(
         n=config.rollouts, temperature=config.temperature, top_p=config.top_p, top_k=config.top_k,
-        min_p=config.min_p, max_tokens=config.max_seq_len - max(map(len, prompts)), seed=seed,
+        min_p=config.min_p, max_tokens=config.max_seq_len - config.max_prompt_len, seed=seed,
     )
     groups = engine.generate(prompts, sampling)
     flat = [(prompt, problem, c) for prompt, problem, group in zip(prompts, problems, groups) for c in group]
@@ -464,7 +464,7 @@ def compute_rewards(rollouts: Rollouts, config: Config, reward_function=math_rew
     DAPO's overlong shaping when --overlong-buffer > 0."""
     rewards = torch.tensor(reward_function(rollouts.texts, rollouts.problems, rollouts.answers), dtype=torch.float32)
     if config.overlong_buffer > 0:
-        max_len = config.max_seq_len - max(map(len, rollouts.prompt_ids))
+        max_len = config.max_seq_len - config.max_prompt_len
         lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
         rewards = rewards + overlong_penalty(lengths, max_len, config.overlong_buffer)
     return rewards
@@ -633,11 +633,11 @@ def update_policy(policy, frozen_reference, optimizer, rollouts: Rollouts, rewar
     total_rows = len(rollouts.completion_ids)
     micro_batches = [list(range(start, min(start + config.micro_batch_size, total_rows)))
                      for start in range(0, total_rows, config.micro_batch_size)]
-    max_completion = config.max_seq_len - max(map(len, rollouts.prompt_ids))
+    max_completion = config.max_seq_len - config.max_prompt_len
     step_tokens = float(sum(len(c) for c in rollouts.completion_ids))
     need_old = config.ppo_epochs > 1 or config.kl_estimator == "k1_return"
     batches = [loss.collate([rollouts.prompt_ids[i] for i in rows], [rollouts.completion_ids[i] for i in rows],
-                            pad_id, device) for rows in micro_batches]
+                            pad_id, device, group_size=config.rollouts) for rows in micro_batches]
     with timer("reference"):
         held_fixed = [held_fixed_logps(policy, frozen_reference, batch, config, need_old) for batch in batches]
         if config.kl_estimator == "k1_return" and config.kl == "reverse" and config.beta > 0:

@@ -307,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(str(error))
     trainer.train()
     trainer.save_model(trainer.args.output_dir)
+    trainer.state.save_to_json(os.path.join(trainer.args.output_dir, "trainer_state.json"))  # the logged metrics
 
 
 def private_signature_matches() -> str | None:

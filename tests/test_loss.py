@@ -685,3 +685,40 @@ def test_completion_logps_match_a_full_forward(tiny):
         keep = logits.softmax(-1) >= 0.05 * logits.softmax(-1).max(-1, keepdim=True).values
         expected = logits.masked_fill(~keep, float("-inf")).log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])
     torch.testing.assert_close(logps[0], expected[:, 0], atol=1e-5, rtol=0)
+
+
+def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(tiny):
+    """G completions of one prompt: running the prompt once and repeating its cache must change
+    nothing but the cost (log-probs, entropies and the gradient through the prompt positions)."""
+    import copy
+    import random
+
+    import models
+
+    model = models.wrap_lora(copy.deepcopy(tiny[0]), rank=4, alpha=8)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(generator=torch.Generator().manual_seed(len(name)))
+    model.train()
+    rng, prompts, completions = random.Random(0), [], []
+    for _ in range(3):
+        prompt = [rng.randrange(5, 300) for _ in range(rng.randint(5, 12))]  # prompts of different lengths
+        for _ in range(4):
+            prompts.append(prompt)
+            completions.append([rng.randrange(5, 300) for _ in range(rng.randint(1, 9))])
+    results = []
+    for group_size in (1, 4):
+        batch = loss.collate(prompts, completions, 0, "cpu", group_size=group_size)
+        assert batch["group_size"] == group_size
+        logps, entropies = loss.completion_logps(model, batch, 0.8, 0.05)
+        (logps * batch["completion_mask"]).sum().backward()
+        results.append((logps.detach(), entropies, [p.grad.clone() for p in model.parameters() if p.requires_grad]))
+        model.zero_grad()
+    mask = batch["completion_mask"].bool()
+    (plain_logps, plain_entropies, plain_grads), (logps, entropies, grads) = results
+    torch.testing.assert_close(logps[mask], plain_logps[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropies[mask], plain_entropies[mask], atol=1e-5, rtol=0)
+    for got, expected in zip(grads, plain_grads):
+        torch.testing.assert_close(got, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+    assert loss.collate(prompts[1:] + prompts[:1], completions, 0, "cpu", group_size=4)["group_size"] == 1
