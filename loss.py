@@ -470,9 +470,10 @@ def kl_shaped_rewards(
     score-function gradient and a baseline (toy/ proves it): beta * sum_t log q_t acts as a bonus
     for reaching the states the guide favours. Inputs [B, T] (detached), rewards [B] -> [B].
     """
-    log_ratio = (logps.detach().float() - ref_logps.float() - log_q.float()) * completion_mask
+    dtype = torch.promote_types(logps.dtype, torch.float32)  # float32, or float64 for exact checks
+    log_ratio = (logps.detach().to(dtype) - ref_logps.to(dtype) - log_q.to(dtype)) * completion_mask
     # The rewards may live on the CPU (the grader's) and the log-probs on the GPU.
-    return rewards.to(log_ratio.device).float() - beta * log_ratio.sum(dim=-1)
+    return rewards.to(log_ratio.device, dtype) - beta * log_ratio.sum(dim=-1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -705,7 +706,8 @@ def policy_loss(
         None if x is None else x.detach().masked_fill(padding, 0.0)
         for x in (old_logps, ref_logps, log_q, entropies, importance_weights)
     )
-    surrogate, ratio = clipped_surrogate(logps, old_logps, advantages.float(), eps_low, eps_high)  # [B, T]
+    advantages = advantages.to(torch.promote_types(logps.dtype, torch.float32))  # float64 kept for exact checks
+    surrogate, ratio = clipped_surrogate(logps, old_logps, advantages, eps_low, eps_high)  # [B, T]
     per_token = surrogate if importance_weights is None else surrogate * importance_weights
     anchor_logps = None
     if kl != "none" and beta != 0.0:

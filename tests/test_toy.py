@@ -17,7 +17,7 @@ from toy.checks import Result
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The issue's list a-e, by the row names that prove each item.
+# The sections a-e of toy/__init__.py, by the row names that prove each item.
 REQUIRED_ROWS = {
     "a": ["eq2_reverse_kl_optimum_simplex", "eq4_sage_optimum_simplex", "eq4_sage_optimum_token_tree"],
     "b": ["eq21_entropy_bonus_optimum_simplex", "eq27_forward_kl_optimum_simplex",
@@ -26,7 +26,9 @@ REQUIRED_ROWS = {
           "thm4.3_branch_guide_support_expansion"],
     "d": ["k2_in_loss_reaches_eq4_one_token", "k1_return_reaches_eq4_one_token",
           "k3_in_loss_reaches_forward_kl_fixed_point", "k1_return_reaches_eq4_two_token_tree",
-          "k2_in_loss_misses_eq4_two_token_tree", "k2_in_loss_position_constant_q_cancels"],
+          "k2_in_loss_misses_eq4_two_token_tree", "k2_in_loss_position_constant_q_cancels",
+          "k1_return_branch_guide_lifts_y2_into_supp_delta", "k3_branch_guide_lowers_y2",
+          "per_token_penalties_put_y2_in_supp_delta_without_a_guide", "table_gradient_norms_at_reported_points"],
     "e": ["k3_expectation_equals_kl_plus_offset", "bnpo_alpha_beta_3_2_proportional_to_grpo_std"],
 }
 
@@ -76,5 +78,15 @@ def test_cli_json_passes_and_covers_a_to_e():
     names = {r["name"] for r in rows}
     for section, required in REQUIRED_ROWS.items():
         missing = [n for n in required if n not in names]
-        assert not missing, f"item {section} of the issue is not covered: {missing}"
+        assert not missing, f"section {section} of toy/__init__.py is not covered: {missing}"
     assert len(names) == len(rows), "row names must be unique"
+
+
+def test_the_estimator_table_prints_every_estimator_with_tiny_gradients(capsys):
+    assert main(["--table"]) == 0
+    text = capsys.readouterr().out
+    for estimator in ("k1_return", "k2", "k3", "ratio_k3", "forward", "Eq. 2 / 4"):
+        assert estimator in text
+    from toy import table
+
+    assert all(norm <= 1e-8 for row in table.estimator_table() for norm in row.gradient.values())

@@ -8,7 +8,7 @@ All of them can be decided exactly when the completions of a prompt are few enou
 logit vector per node, and every expectation is a finite sum in float64. No sampling, no noise:
 an error of 1e-10 is a proof up to rounding, not a statistical hint.
 
-What is checked (``python -m toy`` prints one row per claim; sections follow the issue):
+What is checked (``python -m toy`` prints one row per claim, in five sections a-e):
 
 a. The closed forms of Eqs. 2 and 4 are the maximizers of Eqs. 1 and 3, found numerically over
    the simplex and over a two-token tree with a token-level q; Eq. 8's "reverse KL + guide
@@ -24,7 +24,8 @@ d. The fixed points of ``loss.policy_loss`` with each estimator, found by iterat
    always; k2 and ratio_k3 only on one-token completions), what k3 in the loss realizes instead
    (a forward-KL fixed point), why a position-constant guide cancels under per-token k2, how
    advantage normalization (RLOO, Dr. GRPO, GRPO's std) moves the fixed point of an in-loss
-   penalty but not of k1 in the return, and whether the forward-KL baseline reaches Eq. 27.
+   penalty but not of k1 in the return, whether the forward-KL baseline reaches Eq. 27, and
+   Theorem 4.3 under each estimator (``python -m toy --table``, toy/table.py, docs/fixed-points.md).
 e. The value of k3 (E[k3] = KL + Z - 1 - log Z, the offset policy_loss logs) and BNPO with
    alpha = beta = 3/2 being GRPO's std up to a constant.
 

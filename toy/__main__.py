@@ -13,6 +13,7 @@ import json
 import sys
 import time
 
+from toy import table
 from toy.checks import CHECKS, Result, run_checks
 
 
@@ -43,10 +44,15 @@ def main(argv: list[str] | None = None, checks=None) -> int:
         prog="python -m toy", description="Run toy/'s exact checks, print a table, exit 1 if any fails."
     )
     parser.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table")
+    parser.add_argument("--table", action="store_true",
+                        help="print pi(y2) at each estimator's fixed point on the App. C tree (toy/table.py) and exit")
     parser.add_argument(
         "--only", default=None, metavar="TEXT", help="run only the check functions whose name contains TEXT"
     )
     args = parser.parse_args(argv)
+    if args.table:
+        print(table.format_table(table.estimator_table()))
+        return 0
     selected = list(CHECKS if checks is None else checks)
     if args.only:
         selected = [c for c in selected if args.only in c.__name__]

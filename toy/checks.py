@@ -1,4 +1,4 @@
-"""The checks, in the order of the issue's list (a-e); each row proves one claim, exactly.
+"""The checks, in five sections (a-e, listed in toy/__init__.py); each row proves one claim, exactly.
 
 A check function returns ``Result`` rows. A row is one of two kinds:
 
@@ -21,7 +21,7 @@ import torch
 
 import guides
 import loss
-from toy import exact, problems
+from toy import exact, problems, table
 from toy.exact import DTYPE, maximize
 from toy.fixed_points import find_fixed_point, group_gradient, on_policy_gradient
 
@@ -35,7 +35,7 @@ class Result:
     """One row of the table: a named claim, what was measured, and whether it holds."""
 
     name: str
-    section: str  # a-e, the issue's list
+    section: str  # a-e, the sections of toy/__init__.py
     quantity: str  # what max_abs_error measures, in words
     max_abs_error: float  # an error ("<=") or a gap (">")
     tolerance: float
@@ -307,8 +307,50 @@ def check_thm43_appendix_c_branch_guide() -> list[Result]:
 
 
 @check
+def check_thm43_under_the_trained_estimators() -> list[Result]:
+    """Theorem 4.3 on the App. C tree under loss.py's own expected gradient (toy/table.py).
+
+    With q fixed at pi_ref's entropies (the theorem's q): k1 in the return reaches Eq. 4 and the
+    branch guide lifts y2 into supp_delta; per-token k2 and ratio_k3 ignore a position-constant q;
+    per-token k3 and the forward baseline move y2 *down*; and every per-token penalty already puts
+    y2 above delta without a guide (it sees no KL of later tokens), so the theorem's premise fails
+    there. With q recomputed from the policy (what training converges to), the branch node's
+    entropy falls below tau at every fixed point and the guide acts on none of them.
+    """
+    rows = {row.estimator: row for row in table.estimator_table()}
+    closed = table.exact_objective_pi_y2()
+    pi = {name: row.pi_y2 for name, row in rows.items()}
+    per_token = ("k2", "k3", "ratio_k3", "forward")
+    margin, delta = SEPARATION_MARGIN, table.DELTA
+    return [
+        equal("table_gradient_norms_at_reported_points", "d", "max |expected gradient|_inf over the table's points",
+              max(max(row.gradient.values()) for row in rows.values()), 0.0, 1e-8),
+        equal("k1_return_fixed_points_are_eq2_and_eq4", "d", "pi(y2) of k1 in the return vs Eq. 2 / Eq. 4",
+              [pi["k1_return"]["none"], pi["k1_return"]["fixed"]], [closed["none"], closed["fixed"]], 1e-9),
+        exceeds("k1_return_without_guide_y2_outside_supp_delta", "d",
+                f"delta - pi(y2) = {delta} - {pi['k1_return']['none']:.5f}", delta - pi["k1_return"]["none"]),
+        exceeds("k1_return_branch_guide_lifts_y2_into_supp_delta", "d",
+                f"pi(y2) - delta = {pi['k1_return']['fixed']:.5f} - {delta}", pi["k1_return"]["fixed"] - delta),
+        equal("k2_and_ratio_k3_ignore_the_branch_guide", "d", "pi(y2) with the fixed branch q vs without",
+              [pi["k2"]["fixed"], pi["ratio_k3"]["fixed"]], [pi["k2"]["none"], pi["ratio_k3"]["none"]], 1e-9),
+        exceeds("k3_branch_guide_lowers_y2", "d",
+                f"pi(y2) without - with the branch guide = {pi['k3']['none']:.5f} - {pi['k3']['fixed']:.5f}",
+                pi["k3"]["none"] - pi["k3"]["fixed"], margin),
+        exceeds("forward_baseline_branch_guide_lowers_y2", "d",
+                f"pi(y2) without - with = {pi['forward']['none']:.5f} - {pi['forward']['fixed']:.5f}",
+                pi["forward"]["none"] - pi["forward"]["fixed"], margin),
+        exceeds("per_token_penalties_put_y2_in_supp_delta_without_a_guide", "d",
+                "min over k2, k3, ratio_k3, forward of pi(y2) - delta, no guide",
+                min(pi[name]["none"] for name in per_token) - delta),
+        equal("self_consistent_branch_guide_is_inactive_at_every_fixed_point", "d",
+              "pi(y2) with q recomputed from the policy vs without a guide, every estimator",
+              [pi[name]["self"] for name in rows], [pi[name]["none"] for name in rows], 1e-9),
+    ]
+
+
+@check
 def check_one_token_fixed_points() -> list[Result]:
-    """Single-token completions (SPEC section 4): k2 in the loss, k1 in the return and ratio_k3
+    """Single-token completions (App. E.5's estimators): k2 in the loss, k1 in the return and ratio_k3
     reach Eq. 4; k3 in the loss reaches beta p~ / (lambda - r), the form of Eq. 27 with the
     anchor p~, because its gradient is that of the forward divergence.
     """
@@ -336,7 +378,7 @@ def check_one_token_fixed_points() -> list[Result]:
 
 @check
 def check_forward_kl_baseline() -> list[Result]:
-    """The forward-KL baseline as the paper's code runs it (SPEC section 4): the per-token penalty
+    """The forward-KL baseline of the paper's comparison (App. A.4): the per-token penalty
     u log u - u + 1, u = pi_ref / pi, estimates KL(pi_ref || pi) without bias, but as a loss term
     on on-policy samples its expected gradient is -sum_y pi_ref log(pi_ref / pi) grad log pi, the
     gradient of (1/2) sum_y pi_ref (log pi_ref - log pi)^2, not of the forward KL. So its fixed
@@ -377,10 +419,10 @@ def check_forward_kl_baseline() -> list[Result]:
 
 @check
 def check_two_token_tree_fixed_points() -> list[Result]:
-    """Multi-token completions (SPEC section 4): only k1 counted in the sequence return reaches
+    """Multi-token completions: only k1 counted in the sequence return reaches
     Eq. 4. A per-token penalty sees the reward to go Q(s, a) but not the KL of later tokens, so
     per-token k2 reaches Eq. 4 *at each position* with Q in place of the soft value, and
-    per-token k3 the per-position forward form beta p~(a|s) / (lambda_s - Q(s, a)) (SPEC section 8).
+    per-token k3 the per-position forward form beta p~(a|s) / (lambda_s - Q(s, a)) (Eq. 27's form at one position).
     """
     p = problems.two_token_tree("token")
     eq4 = exact.eq4_sage_solution(p.ref, p.q, p.rewards, BETA)
@@ -406,7 +448,7 @@ def check_two_token_tree_fixed_points() -> list[Result]:
 
 @check
 def check_position_constant_guide() -> list[Result]:
-    """A guide constant over the tokens at a position (branch, random: SPEC section 8).
+    """A guide constant over the tokens at a position (branch, random: Eqs. 9 and 11).
 
     Per-token k2: log p~_t = log pi_ref_t + log q_s, and E_a[log q_s grad log pi(a|s)] = 0, so q
     cancels: the fixed point is the q = 1 one. k1 in the return: beta sum_t log q_t is a bonus for
@@ -470,7 +512,7 @@ def grpo_reward_scale(success_probability: float, group_size: int) -> float:
 
 @check
 def check_advantage_scaling() -> list[Result]:
-    """Advantage normalization moves the fixed point of an in-loss penalty (SPEC section 8).
+    """Advantage normalization moves the fixed point of an in-loss penalty.
 
     Every group of G = 8 rollouts is enumerated. With k2 in the loss (Eq. 4 with Delta = 1):
     RLOO keeps Delta = 1; Dr. GRPO's group mean, which includes the sample, gives
@@ -515,7 +557,7 @@ def check_advantage_scaling() -> list[Result]:
 
 @check
 def check_estimator_gradients() -> list[Result]:
-    """Per-sample gradient identities of the estimators (SPEC sections 4 and 8), single token.
+    """Per-sample gradient identities of the estimators (App. E.5), single token.
 
     ratio_k3 = (pi / sg(pi)) k3 has the gradient of k2 at every sample; k1 = log(pi / p~) in the
     loss has zero expected gradient (why loss.py offers k1 only in the return); k3 in the loss
@@ -557,7 +599,7 @@ def check_estimator_gradients() -> list[Result]:
 
 @check
 def check_k3_value() -> list[Result]:
-    """E_pi[k3] = KL(pi || p) + (Z - 1 - log Z), p = p~ / Z (SPEC section 8).
+    """E_pi[k3] = KL(pi || p) + (Z - 1 - log Z), p = p~ / Z (Eq. 5's pseudo-KL and k3).
 
     So a logged k3 against p~ is offset even at pi = pi_ref; with a position-constant q (branch
     guide) the offset of a token is q - 1 - log q, what policy_loss logs as kl/anchor_offset.
@@ -589,7 +631,7 @@ def check_k3_value() -> list[Result]:
 
 @check
 def check_bnpo_vs_grpo() -> list[Result]:
-    """BNPO (Xiao et al. 2025; SPEC section 8): its moment matching gives alpha = beta = 3/2 for a
+    """BNPO (Xiao et al. 2025, arXiv 2506.02864): its moment matching gives alpha = beta = 3/2 for a
     batch of group success rates with mean 1/2 and variance 1/16, and then its advantage is
     GRPO's times one constant: f_Beta(p; 3/2, 3/2) = (8/pi) sqrt(p(1-p)), GRPO's (Bessel) std is
     sqrt(G/(G-1) p(1-p)), so A_bnpo / A_grpo = (pi/8) sqrt(G/(G-1)) for every group.

@@ -227,7 +227,7 @@ def eq27_forward_kl_solution(anchor, rewards, beta):
     """Eq. 27: pi(y) = beta p(y) / (lambda - r(y)), lambda > max r fixed by sum_y pi(y) = 1.
 
     ``anchor`` is pi_ref for the forward-KL objective; the same form with an unnormalized p~ is
-    the fixed point of k3 in the loss (SPEC section 4).
+    the fixed point of k3 in the loss (toy/checks.py, section d).
 
     >>> ref, rewards = torch.tensor([0.5, 0.5], dtype=DTYPE), torch.tensor([1.0, 0.0], dtype=DTYPE)
     >>> pi = eq27_forward_kl_solution(ref, rewards, beta=1.0)
