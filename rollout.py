@@ -162,6 +162,19 @@ def request_seeds(seed: int, num_prompts: int) -> list[int]:
     return [int(s) for s in np.random.default_rng(seed).integers(0, 2**31 - 2**16, size=num_prompts)]
 
 
+def rollout_seed(seed: int, step: int, refill_round: int = 0) -> int:
+    """The engine's seed for a trainer's step (and each further round of the step: DAPO refills,
+    self-hints): distinct for every (step, round), so a resumed run samples exactly as an
+    uninterrupted one.
+
+    >>> rollout_seed(3407, 5), rollout_seed(3407, 5) == rollout_seed(3407, 5, refill_round=1)
+    (3407005, False)
+    """
+    if refill_round == 0:
+        return seed * 1000 + step
+    return int(np.random.SeedSequence([seed, step, refill_round]).generate_state(1)[0] % 2**31)
+
+
 def group_completions(completions: list[Completion], sampling: SamplingConfig) -> list[list[Completion]]:
     """Flat completions, grouped by prompt, into [num_prompts][n].
 
@@ -649,6 +662,28 @@ def engine_limits(prompts_per_call: int, n: int, max_prompt_len: int, max_model_
     # and at least one whole sequence (the CPU engine prefills without chunking).
     tokens = max(prompts_per_call * max_prompt_len, max_model_len, sequences)
     return {"max_num_seqs": sequences, "max_num_batched_tokens": tokens}
+
+
+def pad_rows(rows: list[list[float]], length: int, device) -> torch.Tensor:
+    """Ragged per-token values as a [len(rows), length] tensor, zero-padded."""
+    out = torch.zeros(len(rows), length)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row[:length])
+    return out.to(device)
+
+
+def engine_gap(old_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Trainer/engine log-prob mismatch on the sampled tokens (kernels and precision differ even
+    with equal weights): mean |diff| and the mean and max of the ratio pi_trainer / pi_engine.
+    old_logps, engine_logps, mask: [B, T]."""
+    diff = (old_logps.detach() - engine_logps) * mask
+    count = mask.sum().clamp_min(1)
+    ratio = torch.exp(diff) * mask
+    return {
+        "engine/abs_logp_diff": (diff.abs().sum() / count).item(),
+        "engine/ratio_mean": (ratio.sum() / count).item(),
+        "engine/ratio_max": ratio.max().item(),
+    }
 
 
 # --------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from itertools import combinations_with_replacement
 import torch
 
 import loss
+from toy import exact
 from toy.exact import DTYPE, TokenTree
 
 
@@ -221,3 +222,24 @@ def find_fixed_point(
         else:
             break  # even a fresh Newton step does not lower |g|: the noise floor
     return theta, gradient.abs().max().item()
+
+
+def per_position_solution(problem, theta: torch.Tensor, beta: float, form: str) -> torch.Tensor:
+    """What a per-token penalty's fixed point must be at every node, given Q(s, a) under theta. [P]
+
+    reverse (k2): pi(a|s) ∝ p~(a|s) exp(Q(s,a) / beta)          -- Eq. 4 at one position
+    forward (k3): pi(a|s) = beta p~(a|s) / (lambda_s - Q(s,a))  -- Eq. 27's form at one position
+    with p~(a|s) = pi_ref(a|s) q(s,a) and Q(s,a) = E[r | s, a] the *reward* to go: a per-token
+    penalty sees no KL of the tokens after a.
+    """
+    tree = problem.tree
+    q_values = tree.action_values(theta, problem.rewards)  # [P]
+    log_anchor = tree.param_log_probs(problem.ref_theta) + problem.log_q_param  # [P]
+    parts = []
+    for offset, children in zip(tree.offsets, tree.children):
+        node = slice(offset, offset + len(children))
+        if form == "reverse":
+            parts.append(torch.softmax(log_anchor[node] + q_values[node] / beta, dim=0))
+        else:
+            parts.append(exact.eq27_forward_kl_solution(log_anchor[node].exp(), q_values[node], beta))
+    return torch.cat(parts)

@@ -35,7 +35,7 @@ import torch
 import guides
 from toy import exact, problems
 from toy.exact import DTYPE
-from toy.fixed_points import finite_difference_jacobian, on_policy_gradient
+from toy.fixed_points import finite_difference_jacobian, on_policy_gradient, per_position_solution
 
 BETA, DELTA = 0.05, 0.01
 ESTIMATORS = ("k1_return", "k2", "k3", "ratio_k3", "forward")
@@ -77,16 +77,7 @@ def backward_induction(problem: problems.Problem, estimator: str, guided: str, b
     for _ in range(sweeps):
         per_token = guide_log_q(problem, theta, guided)  # per token; back to per (node, child)
         log_q = torch.zeros(tree.num_params, dtype=DTYPE).index_put_((tree.param_index.flatten(),), per_token.flatten())
-        q_values = tree.action_values(theta, problem.rewards)
-        log_anchor = tree.param_log_probs(problem.ref_theta) + log_q
-        parts = []
-        for offset, children in zip(tree.offsets, tree.children):
-            node = slice(offset, offset + len(children))
-            if form == "reverse":
-                parts.append(torch.log_softmax(log_anchor[node] + q_values[node] / beta, dim=0))
-            else:
-                parts.append(exact.eq27_forward_kl_solution(log_anchor[node].exp(), q_values[node], beta).log())
-        theta = torch.cat(parts)
+        theta = per_position_solution(problem.with_log_q(log_q), theta, beta, form).log()
     return theta
 
 
