@@ -14,7 +14,7 @@ export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install test test-fast demo toy bench clean
+.PHONY: install test test-fast demo compare toy bench clean
 
 install: $(STAMP)
 
@@ -47,8 +47,11 @@ toy: $(STAMP)
 demo: $(STAMP)
 	$(PY) sage.py
 
+compare: $(STAMP)
+	$(PY) compare.py
+
 bench: $(STAMP)
-	for script in bench/logprobs.py bench/rollout.py bench/grading.py bench/step.py bench/gpu_step.py; do $(PY) $$script || exit 1; done
+	for script in bench/logprobs.py bench/rollout.py bench/grading.py bench/step.py bench/gpu_step.py bench/vs_trl.py bench/self_hints.py; do $(PY) $$script || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache

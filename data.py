@@ -77,8 +77,10 @@ def require_fields(rows: list[dict], keys: Sequence[str], where: str, flags: str
 # --------------------------------------------------------------------------------------------
 
 
-def training_problems(rows: list[dict], problem_key: str, answer_key: str, limit: int, where: str) -> list[dict]:
-    """The first ``limit`` rows (0: all) as {problem, answer}; a row without an answer is an error."""
+def training_problems(rows: list[dict], problem_key: str, answer_key: str, limit: int, where: str,
+                      solution_key: str = "") -> list[dict]:
+    """The first ``limit`` rows (0: all) as {problem, answer} (and the reference ``solution`` of
+    ``solution_key``, "" where a row has none); a row without an answer is an error."""
     require_fields(rows, (problem_key, answer_key), where, "--problem-key / --answer-key")
     problems = []
     for index, row in enumerate(rows[: limit or None]):
@@ -86,7 +88,10 @@ def training_problems(rows: list[dict], problem_key: str, answer_key: str, limit
         if answer is None or str(answer).strip() == "":
             raise DataError(f"{where} row {index} has no answer in field {answer_key!r}; clean the data or pick "
                             "another --answer-key")
-        problems.append({"problem": str(row[problem_key]), "answer": str(answer)})
+        problem = {"problem": str(row[problem_key]), "answer": str(answer)}
+        if solution_key:
+            problem["solution"] = str(row.get(solution_key) or "").strip()
+        problems.append(problem)
     if not problems:
         raise DataError(f"{where} has no rows")
     return problems

@@ -7,8 +7,10 @@ on held-out problems) on a laptop, with nothing downloaded.
    and the paper's format markers as single tokens.
 3. A randomly initialized Qwen2 model (head size 64, the size vLLM's CPU backend runs).
 4. The task: single-digit additions in four phrasings, 400 problems with numeric answers, a
-   held-out part never trained on; SFT examples with a fraction of wrong answers, so the SFT
-   model is right only part of the time and RL has work left.
+   held-out part never trained on; SFT examples with wrong answers on purpose (a fraction of the
+   easy sums off by one or two, most hard sums without their carry), so the SFT model is right
+   only part of the time and on the hard sums rarely samples the right answer at all: support
+   that RL has to find, as in the paper (its pass@64 is well below 1).
 5. The before/after table, ``summary.json`` and the pass@k plot.
 
 This module supplies data and models; the trainer (sage.py) runs them.
@@ -34,7 +36,7 @@ from task import FORMAT_TOKENS, SYSTEM_PROMPT, format_completion
 
 # Values of sage.Config fields when no --model is given (flags still win).
 DEMO_SIZES = dict(
-    steps=200,
+    steps=500,
     prompts_per_step=8,
     rollouts=8,
     micro_batch_size=64,
@@ -44,16 +46,16 @@ DEMO_SIZES = dict(
     warmup_ratio=0.05,
     lora_rank=16,
     lora_alpha=32,
-    max_seq_len=160,
-    max_prompt_len=96,
-    save_every=50,
+    max_seq_len=640,  # room for self-hints: the hint request holds the problem and its solution
+    max_prompt_len=576,  # completions get the remaining 64 tokens
+    save_every=100,
     gpu_memory_utilization=0.2,
     sft_epochs=2,
     sft_lr=2e-3,
     sft_batch_size=16,
     sft_warmup_steps=10,
-    # pass@k on the held-out problems every 50 steps, sampled as in training (the policy RL shapes)
-    eval_every=50,
+    # pass@k on the held-out problems every 100 steps, sampled as in training (the policy RL shapes)
+    eval_every=100,
     eval_temperature=1.0,
     eval_top_p=1.0,
 )
@@ -174,21 +176,28 @@ def demo_problems(seed: int, num_held_out: int) -> tuple[list[dict], list[dict]]
     return problems[num_held_out:], problems[:num_held_out]
 
 
-def demo_sft_examples(train: list[dict], count: int, noise: float, seed: int) -> list[dict]:
-    """``count`` SFT examples drawn from the training problems; a fraction ``noise`` of them carry
-    an answer off by 1 or 2, so the SFT model is right only part of the time at temperature 1.
+def demo_sft_examples(train: list[dict], count: int, noise: float, hard_noise: float, seed: int) -> list[dict]:
+    """``count`` SFT examples drawn from the training problems, some of them wrong on purpose.
 
-    >>> demo_sft_examples([{"problem": "Add 1 and 2.", "answer": "3", "working": "1+2=3"}], 1, 0.0, 0)
-    [{'problem': 'Add 1 and 2.', 'completion': '<start_working_out>1+2=3<end_working_out><SOLUTION>3</SOLUTION>'}]
+    Easy sums (below 10): a fraction ``noise`` carries an answer off by 1 or 2. Hard sums (10 and
+    more): a fraction ``hard_noise`` forgets the carry, working and answer alike (7+5=2), a
+    systematic error. So the SFT model is right only part of the time on the easy sums and rarely
+    writes the carry at all on the hard ones: support that RL has to find (the paper's y2).
+
+    >>> demo_sft_examples([{"problem": "Add 7 and 5.", "answer": "12", "working": "7+5=12"}], 1, 0.0, 1.0, 0)
+    [{'problem': 'Add 7 and 5.', 'completion': '<start_working_out>7+5=2<end_working_out><SOLUTION>2</SOLUTION>'}]
     """
     rng = random.Random(seed)
     examples = []
     for _ in range(count):
         problem = rng.choice(train)
-        answer = problem["answer"]
-        if rng.random() < noise:
+        working, answer = problem["working"], problem["answer"]
+        if int(answer) >= 10 and rng.random() < hard_noise:
+            answer = str(int(answer) % 10)
+            working = working.split("=")[0] + "=" + answer
+        elif int(answer) < 10 and rng.random() < noise:
             answer = str(int(answer) + rng.choice([-2, -1, 1, 2]))
-        examples.append({"problem": problem["problem"], "completion": format_completion(problem["working"], answer)})
+        examples.append({"problem": problem["problem"], "completion": format_completion(working, answer)})
     return examples
 
 

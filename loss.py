@@ -576,6 +576,20 @@ def aggregate(
     raise ValueError(f"unknown loss aggregation {mode!r}: choose one of {', '.join(AGGREGATIONS)}")
 
 
+def micro_batch_weight(aggregation: str, micro_rows: int, total_rows: int, num_micro_batches: int) -> float:
+    """Scale of a micro-batch's aggregated loss so the accumulated gradient is that of the whole step.
+
+    grpo and dr_grpo average over sequences (weight rows / total); batch_token_mean is TRL's
+    per-micro-batch token mean (weight 1 / number of micro-batches); dapo is normalized by the
+    step's token count already (weight 1).
+    """
+    if aggregation in ("grpo", "dr_grpo"):
+        return micro_rows / total_rows
+    if aggregation == "batch_token_mean":
+        return 1.0 / num_micro_batches
+    return 1.0
+
+
 # --------------------------------------------------------------------------------------------
 # The whole loss
 # --------------------------------------------------------------------------------------------

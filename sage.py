@@ -45,7 +45,6 @@ from dataclasses import dataclass
 # colocated vLLM engine and the grading workers share it (8x slower steps, measured here).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -53,6 +52,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 import cli  # noqa: E402
 import demo  # noqa: E402
 import guides  # noqa: E402
+import hints  # noqa: E402
 import loss  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
@@ -62,7 +62,7 @@ from data import (  # noqa: E402
     training_problems,
 )
 from evaluate import EvalSampling, evaluation_rows  # noqa: E402
-from task import RewardError, build_prompt_ids, load_reward_function, math_reward  # noqa: E402
+from task import RewardError, build_prompt_ids, chat_ids, load_reward_function, math_reward  # noqa: E402
 from trackers import TrackerError, Trackers  # noqa: E402
 
 # --------------------------------------------------------------------------------------------
@@ -116,7 +116,7 @@ class Config:
     sft_max_tokens: int = 0
     """Drop SFT examples longer than this, prompt + completion + EOS (0: half of --max-seq-len, App. E.2)."""
     sft_only: bool = False
-    """Stop after the SFT stage (its model, <run>/sft_model, is the base of every RL run of Table 1)."""
+    """Stop after the SFT stage (its model, <run>/sft_model, is the base of every RL run of Table 1; the demo's too)."""
     sft_epochs: int = 2
     """SFT epochs (paper: 2)."""
     sft_lr: float = 2e-4
@@ -154,6 +154,10 @@ class Config:
     """DAPO dynamic sampling: extra rollout rounds at most before training on what is left."""
     overlong_buffer: int = 0
     """DAPO overlong shaping L_cache in tokens (0: off)."""
+    self_hints: bool = False
+    """Self-hints (arXiv 2602.03143, hints.py): all-wrong groups get a policy-written hint from the reference solution and are sampled again."""
+    solution_key: str = ""
+    """Field of the training data with the reference solution that self-hints are written from (the demo: its working)."""
     # ---- the anchor and the guide ----
     guide: str = "none"
     """none | random (Eq. 9) | token (Eq. 10) | branch (Eq. 11)."""
@@ -244,8 +248,10 @@ class Config:
     """Demo: held-out problems (of the 400) for pass@k before and after RL."""
     demo_sft_examples: int = 2400
     """Demo: SFT examples drawn from the training problems."""
-    demo_sft_noise: float = 0.3
+    demo_sft_noise: float = 0.2
     """Demo: fraction of SFT examples whose final answer is off by 1 or 2, so RL has work left."""
+    demo_hard_noise: float = 0.9
+    """Demo: fraction of SFT examples of the hard sums (10 and more) that forget the carry: their answer becomes rare."""
 
     def __post_init__(self):
         """Fields left unset take the --algo preset's value, so a Config built in code is as complete
@@ -293,7 +299,7 @@ def validate_config(config: Config, error) -> None:
         (not (config.guide != "none" and (config.kl == "none" or config.beta == 0)),
          f"--guide {config.guide} acts only through the KL anchor: use --kl reverse with --beta > 0"),
         (config.kl_estimator != "k1_return" or config.kl == "reverse", "--kl-estimator k1_return needs --kl reverse"),
-        (not config.sft_only or (config.model and config.sft_dataset), "--sft-only needs --model and --sft-dataset"),
+        (not config.sft_only or not config.model or config.sft_dataset, "--sft-only with --model needs --sft-dataset"),
     ]
     for ok, message in checks:
         if not ok:
@@ -393,7 +399,8 @@ def demo_base_model(config: Config, run_dir: str) -> str:
                                     num_layers=2, num_heads=2, max_position_embeddings=config.max_seq_len)
     model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
-    examples = demo.demo_sft_examples(train, config.demo_sft_examples, config.demo_sft_noise, config.seed + 1)
+    examples = demo.demo_sft_examples(train, config.demo_sft_examples, config.demo_sft_noise, config.demo_hard_noise,
+                                      config.seed + 1)
     pairs, _ = tokenize_sft_examples(tokenizer, examples, config.max_seq_len)
     sft(model, pairs, tokenizer.pad_token_id, config, config.sft_epochs, config.sft_lr, config.sft_batch_size,
         config.sft_warmup_steps)
@@ -423,21 +430,16 @@ class Rollouts:
         """The given rows, in order."""
         return Rollouts(*([getattr(self, f.name)[r] for r in rows] for f in dataclasses.fields(self)))
 
+    def replace_groups(self, groups: list[int], other: Rollouts, group_size: int) -> Rollouts:
+        """These rollouts with groups ``groups`` taken from ``other`` (whose groups follow that list)."""
+        source = {g: i for i, g in enumerate(groups)}
+        rows = [(other, source[r // group_size] * group_size + r % group_size) if r // group_size in source else (self, r)
+                for r in range(len(self.texts))]
+        return Rollouts(*([getattr(part, f.name)[row] for part, row in rows] for f in dataclasses.fields(self)))
+
     @staticmethod
     def concat(parts: list[Rollouts]) -> Rollouts:
         return Rollouts(*([x for part in parts for x in getattr(part, f.name)] for f in dataclasses.fields(Rollouts)))
-
-
-def rollout_seed(seed: int, step: int, refill_round: int = 0) -> int:
-    """The engine's seed for one step's sampling (and each DAPO refill round): distinct for every
-    (step, round), so a resumed run samples exactly as an uninterrupted one.
-
-    >>> rollout_seed(3407, 5), rollout_seed(3407, 5) == rollout_seed(3407, 5, refill_round=1)
-    (3407005, False)
-    """
-    if refill_round == 0:
-        return seed * 1000 + step
-    return int(np.random.SeedSequence([seed, step, refill_round]).generate_state(1)[0] % 2**31)
 
 
 def generate_rollouts(engine, prompts: list[list[int]], problems: list[dict], config: Config, seed: int) -> Rollouts:
@@ -486,9 +488,52 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (groups.max(dim=1).values - groups.min(dim=1).values) > 0
 
 
+def self_hint(engine, rollouts: Rollouts, rewards: torch.Tensor, chosen: list[dict], config: Config, step: int,
+              reward_function, stats: hints.HintStats) -> tuple[Rollouts, torch.Tensor]:
+    """Self-hinting (hints.py): the policy writes hints for the all-wrong groups from their
+    reference solutions; levels 1, 2, 3 in turn, each still-unsolved group is sampled again on
+    prompt + hint, graded against its original answer, and replaces its unhinted group."""
+    group_size, tokenizer = config.rollouts, engine.tokenizer
+    unsolved = [g for g, group in enumerate(rewards.view(-1, group_size)) if group.max() <= 0]
+    asking = [g for g in unsolved if chosen[g].get("solution")]
+    stats.groups_needing_hint, stats.missing_solution = len(unsolved), len(unsolved) - len(asking)
+    requests = {g: chat_ids(tokenizer, hints.hint_request_messages(chosen[g]["problem"], chosen[g]["solution"]))
+                for g in asking}
+    requests = {g: ids for g, ids in requests.items() if len(ids) <= config.max_prompt_len}
+    if not requests:
+        return rollouts, rewards
+    writing = rollout.SamplingConfig(n=1, temperature=config.eval_temperature, top_p=config.eval_top_p, min_p=config.min_p,
+                                     max_tokens=config.max_seq_len - config.max_prompt_len,
+                                     seed=rollout.rollout_seed(config.seed, step, 1000))
+    replies = engine.generate(list(requests.values()), writing)
+    levels = {g: hints.parse_hint_levels(group[0].text) for g, group in zip(requests, replies)}
+    for number, level in enumerate(hints.LEVELS, start=1):
+        targets = [g for g in requests if level in levels[g] and rewards.view(-1, group_size)[g].max() <= 0]
+        hinted = {g: build_prompt_ids(tokenizer, hints.hinted_problem(chosen[g]["problem"], levels[g][level]))
+                  for g in targets}
+        targets = [g for g in targets if len(hinted[g]) <= config.max_prompt_len]
+        if not targets:
+            continue
+        again = generate_rollouts(engine, [hinted[g] for g in targets], [chosen[g] for g in targets], config,
+                                  rollout.rollout_seed(config.seed, step, 1000 + number))
+        again_rewards = compute_rewards(again, config, reward_function)  # the original problem and answer
+        rollouts = rollouts.replace_groups(targets, again, group_size)
+        rows = torch.tensor([g * group_size + i for g in targets for i in range(group_size)])
+        rewards = rewards.clone().index_put_((rows,), again_rewards)
+        stats.hint_chars += [len(levels[g][level]) for g in targets]
+        stats.leaked += sum(hints.leaks_answer(levels[g][level], chosen[g]["answer"]) for g in targets)
+    hinted_groups = [g for g in requests if any(level in levels[g] for level in hints.LEVELS)]
+    stats.groups_hinted = len(hinted_groups)
+    groups = rewards.view(-1, group_size)
+    stats.groups_solved_by_hint = sum(int(groups[g].max() > 0) for g in hinted_groups)
+    stats.reward_with_hints = groups[hinted_groups].flatten().tolist()
+    stats.reward_without_hints = groups[[g for g in range(len(groups)) if g not in hinted_groups]].flatten().tolist()
+    return rollouts, rewards
+
+
 def collect_rollouts(engine, sampler: PromptSampler, prompts: list[list[int]], problems: list[dict], config: Config,
-                     step: int, reward_function=math_reward, timer: runs.PhaseTimer | None = None
-                     ) -> tuple[Rollouts, torch.Tensor, int, int]:
+                     step: int, reward_function=math_reward, timer: runs.PhaseTimer | None = None,
+                     hint_stats: hints.HintStats | None = None) -> tuple[Rollouts, torch.Tensor, int, int]:
     """Prompts -> G completions each -> rewards; with DAPO's dynamic sampling, the groups whose
     rewards are all equal (no signal) are dropped and fresh prompts refill the batch.
 
@@ -498,11 +543,17 @@ def collect_rollouts(engine, sampler: PromptSampler, prompts: list[list[int]], p
     chosen = sampler.take(config.prompts_per_step)
     with timer("rollout"):
         rollouts = generate_rollouts(engine, [prompts[i] for i in chosen], [problems[i] for i in chosen], config,
-                                     rollout_seed(config.seed, step))
+                                     rollout.rollout_seed(config.seed, step))
     with timer("reward"):
         rewards = compute_rewards(rollouts, config, reward_function)
+    if config.self_hints:
+        with timer("hints"):
+            rollouts, rewards = self_hint(engine, rollouts, rewards, [problems[i] for i in chosen], config, step,
+                                          reward_function, hint_stats)
     informative = informative_groups(rewards, config.rollouts)
     num_groups, num_zero_signal = config.prompts_per_step, int((~informative).sum())
+    if hint_stats is not None:
+        hint_stats.prompts, hint_stats.prompts_with_signal = num_groups, num_groups - num_zero_signal
     if not config.dynamic_sampling:
         return rollouts, rewards, num_groups, num_zero_signal
     wanted = config.prompts_per_step * config.rollouts
@@ -513,7 +564,7 @@ def collect_rollouts(engine, sampler: PromptSampler, prompts: list[list[int]], p
         chosen = sampler.take(config.prompts_per_step)
         with timer("rollout"):
             more = generate_rollouts(engine, [prompts[i] for i in chosen], [problems[i] for i in chosen], config,
-                                     rollout_seed(config.seed, step, refill_round))
+                                     rollout.rollout_seed(config.seed, step, refill_round))
         with timer("reward"):
             more_rewards = compute_rewards(more, config, reward_function)
         more_informative = informative_groups(more_rewards, config.rollouts)
@@ -564,64 +615,6 @@ def return_shaped_advantages(rewards: torch.Tensor, micro_batches: list[list[int
     return loss.compute_advantages(torch.cat(shaped), config.rollouts, config.advantage)
 
 
-def micro_batch_weight(aggregation: str, micro_rows: int, total_rows: int, num_micro_batches: int) -> float:
-    """Scale of a micro-batch's aggregated loss so the accumulated gradient is that of the whole step.
-
-    grpo and dr_grpo average over sequences (weight rows / total); batch_token_mean is TRL's
-    per-micro-batch token mean (weight 1 / number of micro-batches); dapo is normalized by the
-    step's token count already (weight 1).
-    """
-    if aggregation in ("grpo", "dr_grpo"):
-        return micro_rows / total_rows
-    if aggregation == "batch_token_mean":
-        return 1.0 / num_micro_batches
-    return 1.0
-
-
-class StepMetrics:
-    """Metrics over a step's micro-batches: row-weighted means, and the extremes of the "*min" /
-    "*max" keys over the whole step."""
-
-    def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.extremes: dict[str, float] = {}
-        self.rows = 0
-
-    def add(self, metrics: dict[str, float], rows: int) -> None:
-        self.rows += rows
-        for key, value in metrics.items():
-            if key.endswith("min"):
-                self.extremes[key] = min(self.extremes.get(key, value), value)
-            elif key.endswith("max"):
-                self.extremes[key] = max(self.extremes.get(key, value), value)
-            else:
-                self.sums[key] = self.sums.get(key, 0.0) + value * rows
-
-    def result(self) -> dict[str, float]:
-        return {**{key: value / self.rows for key, value in self.sums.items()}, **self.extremes}
-
-
-def pad_rows(rows: list[list[float]], length: int, device) -> torch.Tensor:
-    """Ragged per-token values as a [len(rows), length] tensor, zero-padded."""
-    out = torch.zeros(len(rows), length)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row[:length])
-    return out.to(device)
-
-
-def engine_gap(old_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor) -> dict:
-    """Trainer/engine log-prob mismatch on the sampled tokens (kernels and precision differ even
-    with equal weights): mean |diff| and the mean and max of the ratio pi_trainer / pi_engine."""
-    diff = (old_logps.detach() - engine_logps) * mask
-    count = mask.sum().clamp_min(1)
-    ratio = torch.exp(diff) * mask
-    return {
-        "engine/abs_logp_diff": (diff.abs().sum() / count).item(),
-        "engine/ratio_mean": (ratio.sum() / count).item(),
-        "engine/ratio_max": ratio.max().item(),
-    }
-
-
 def update_policy(policy, frozen_reference, optimizer, rollouts: Rollouts, rewards: torch.Tensor,
                   advantages: torch.Tensor, config: Config, guide_config: guides.GuideConfig,
                   guide_generator: torch.Generator, step: int, pad_id: int,
@@ -664,7 +657,7 @@ def accumulate_gradients(policy, rollouts: Rollouts, micro_batches: list[list[in
     device = next(policy.parameters()).device
     total_rows = len(rollouts.completion_ids)
     policy.train()
-    metrics = StepMetrics()
+    metrics = runs.StepMetrics()
     for _ in range(config.ppo_epochs):
         for rows, batch, fixed in zip(micro_batches, batches, held_fixed):
             logps, entropies = loss.completion_logps(policy, batch, config.temperature, config.min_p)  # [B, C]
@@ -674,7 +667,7 @@ def accumulate_gradients(policy, rollouts: Rollouts, micro_batches: list[list[in
             if "log_q" not in fixed:  # the guide from the same forward pass, fixed for the rest of the step (Eq. 3)
                 fixed["log_q"] = guides.compute_log_q(guide_config, old_logps, entropies, mask, step, config.steps,
                                                       guide_generator)
-            engine_logps = pad_rows([rollouts.engine_logps[i] for i in rows], mask.shape[1], device)
+            engine_logps = rollout.pad_rows([rollouts.engine_logps[i] for i in rows], mask.shape[1], device)
             importance = None
             if config.tis_cap > 0:  # truncated importance sampling: min(pi_old / pi_engine, C)
                 importance = torch.exp(old_logps - engine_logps).clamp(max=config.tis_cap) * mask
@@ -688,9 +681,9 @@ def accumulate_gradients(policy, rollouts: Rollouts, micro_batches: list[list[in
             if not torch.isfinite(micro_loss):
                 raise FloatingPointError(f"the loss is {micro_loss.item()} at step {step}; stopped, the last "
                                          "checkpoint is kept; lower --lr or --beta")
-            weight = micro_batch_weight(config.loss_agg, len(rows), total_rows, len(micro_batches)) / config.ppo_epochs
+            weight = loss.micro_batch_weight(config.loss_agg, len(rows), total_rows, len(micro_batches)) / config.ppo_epochs
             (micro_loss * weight).backward()
-            metrics.add({**micro_metrics, **engine_gap(old_logps, engine_logps, mask)}, len(rows))
+            metrics.add({**micro_metrics, **rollout.engine_gap(old_logps, engine_logps, mask)}, len(rows))
     return metrics.result()
 
 
@@ -722,9 +715,11 @@ def base_model_and_problems(config: Config, run_dir: str) -> tuple[str, list[dic
     the demo's SFT-ed tiny model, or --model after the SFT stage when --sft-dataset is given."""
     if not config.model:
         train, held_out = demo.demo_problems(config.seed, config.demo_eval_problems)
+        train = [{**p, "solution": p["working"]} for p in train]  # the reference workings, for self-hints
         return demo_base_model(config, run_dir), train, held_out
     rows = load_rows(config.dataset, config.dataset_config)
-    problems = training_problems(rows, config.problem_key, config.answer_key, config.max_train_samples, config.dataset)
+    problems = training_problems(rows, config.problem_key, config.answer_key, config.max_train_samples, config.dataset,
+                                 config.solution_key)
     if not config.sft_dataset:
         return config.model, problems, None
     if config.resume:
@@ -816,7 +811,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = parse_config(argv)
     run_dir = start_run(config)
     if config.sft_only:
-        return {"sft_model": run_sft_stage(config, run_dir)}
+        return {"sft_model": run_sft_stage(config, run_dir) if config.model else demo_base_model(config, run_dir)}
     # ---- data, the base model (after SFT), the policy and its reference, the optimizer ----
     base_path, problems, held_out = base_model_and_problems(config, run_dir)
     model, tokenizer = models.load_base_model(base_path, config.gradient_checkpointing)
@@ -842,8 +837,9 @@ def main(argv: list[str] | None = None) -> dict:
     for step in progress:
         timer, started = runs.PhaseTimer(), time.perf_counter()
         # 1-3. prompts -> rollouts -> rewards (DAPO: groups without signal dropped and refilled)
+        hint_stats = hints.HintStats() if config.self_hints else None
         rollouts, rewards, num_groups, num_zero_signal = collect_rollouts(engine, sampler, prompts, problems, config,
-                                                                          step, reward_function, timer)
+                                                                          step, reward_function, timer, hint_stats)
         with timer("sleep"):
             engine.sleep(level=2)  # CUDA: drop the engine's weights and KV cache for the update; CPU: no-op
         zero_reward_streak = zero_reward_streak + 1 if rewards.numel() == 0 or rewards.max() <= 0 else 0
@@ -864,8 +860,8 @@ def main(argv: list[str] | None = None) -> dict:
         # 10. metrics, and pass@k every --eval-every steps
         times = {**timer.record(), "time/step_s": time.perf_counter() - started}
         times["time/other_s"] = times["time/step_s"] - sum(timer.seconds.values())
-        record = step_record(step, rollouts, rewards, num_groups, num_zero_signal, metrics, times,
-                             scheduler.get_last_lr()[0])
+        record = step_record(step, rollouts, rewards, num_groups, num_zero_signal,
+                             {**metrics, **(hint_stats.record() if hint_stats else {})}, times, scheduler.get_last_lr()[0])
         trackers.log(record, step)
         progress.set_postfix(reward=f"{record['reward']:.3f}", kl=f"{record.get('kl/ref_k3', 0.0):.4f}")
         if benchmarks and ((step + 1) % config.eval_every == 0 or step + 1 == config.steps):

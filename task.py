@@ -53,7 +53,11 @@ GRADERS = ("math", "knights_knaves")
 def build_prompt_ids(tokenizer, problem: str) -> list[int]:
     """The chat template applied once: the paper's system prompt, the problem as the user
     message, the assistant turn opened."""
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem}]
+    return chat_ids(tokenizer, [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem}])
+
+
+def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of chat messages through the tokenizer's template, the assistant turn opened."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

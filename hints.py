@@ -1,0 +1,152 @@
+"""Self-hints for groups with no signal ("Self-Hinting Language Models Enhance Reinforcement
+Learning", Liao et al., arXiv 2602.03143): the other method called SAGE, composed with ours.
+
+When every one of a prompt's G rollouts is wrong, GRPO's advantages are all zero and the prompt
+teaches nothing. Self-hinting gives such a prompt a second chance within the same step. The
+procedure, as the authors' code runs it (its "sage" method, the on-policy one):
+
+1. **When.** After the step's rollouts are graded, every prompt none of whose G rollouts earned a
+   reward (an all-wrong group; all-correct groups are left alone) asks for a hint. Training only:
+   evaluation never sees a hint.
+2. **Who writes it, from what.** The policy itself, with its current weights, in the same step,
+   prompted as a tutor: a system prompt asking for three progressive hints that never reveal the
+   final answer, as JSON {"level_1", "level_2", "level_3"}, and the user message "Question: ...
+   Solution: ..." holding the problem and its *reference solution*. A reply that does not parse is
+   asked for again, up to 3 times; then the prompt goes without a hint.
+3. **How long.** Nothing but the generation budget bounds a hint (three levels in one reply, from
+   a minimal pointer to detailed guidance).
+4. **The hinted prompt.** The question followed by "Here is a hint to help you:" and the hint. The
+   group is sampled again, G rollouts, from the policy conditioned on prompt + hint, graded by the
+   same reward against the *original* answer, and replaces the unhinted group. Levels are tried
+   in order, 1 then 2 then 3, each only for the prompts still all-wrong.
+5. **Which log-probs.** The hinted rollouts enter the batch with their hinted prompt: old,
+   reference and current log-probs are all computed on prompt + hint, so the update is on-policy
+   for the context that produced the samples (the authors' "on-policy" claim), the reference
+   anchors the same context, and here the guide's entropies come from that same pass. Nothing
+   re-scores them without the hint.
+6. **Leaks.** The authors rely on the instruction "never reveal the final answer"; their code has
+   no check. A hint that leaks is used as it is. Here it is used too, and counted
+   (``hints/leaked``) so that a run can see how often it happens.
+
+7. **What is kept.** A group is replaced whole (hinted and unhinted rollouts never mix in a group);
+   the last level tried is kept even if still all wrong (it then has zero advantage). Levels start
+   again from 1 at every step.
+
+Where this differs from the authors' code: their hint replies are decoded greedily (their
+evaluation sampling), here sampled at ``--eval-temperature`` / ``--eval-top-p``; a reply that is not
+JSON but plain text is taken as a single level-1 hint rather than asked for again (small models,
+the CPU demo's, rarely write JSON); the hinted prompt keeps the task's own system prompt, as theirs
+keeps their RL system prompt. Their verl trainer also balances the batch across GPUs before the
+rewards are computed, after which it addresses groups by position; here groups are always the G
+consecutive rows of a prompt. With DAPO's dynamic sampling, hints apply to a step's first round.
+Composition with anchor shaping is direct: the guide q and the KL anchor act on whatever rollouts
+the batch holds, hinted or not, each on its own context.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+HINT_SYSTEM_PROMPT = (
+    "You are a tutor. Given a problem and its solution, write three hints that lead a student to "
+    "solve it on their own, each more detailed than the last: level 1 names the key idea, level 2 "
+    "gives the method or a first step, level 3 guides closely without completing the solution. "
+    "Never reveal the final answer. Reply with JSON only: "
+    '{"level_1": "...", "level_2": "...", "level_3": "..."}'
+)
+LEVELS = ("level_1", "level_2", "level_3")
+MAX_HINT_CHARS = 2000  # a runaway reply is cut here (the authors bound it by the generation budget)
+
+
+def hint_request_messages(problem: str, solution: str) -> list[dict[str, str]]:
+    """The chat messages that ask the policy for hints (step 2).
+
+    >>> [m["role"] for m in hint_request_messages("What is 7 + 5?", "7+5=12")]
+    ['system', 'user']
+    >>> hint_request_messages("What is 7 + 5?", "7+5=12")[1]["content"]
+    'Question:\\nWhat is 7 + 5?\\n\\nSolution:\\n7+5=12'
+    """
+    return [{"role": "system", "content": HINT_SYSTEM_PROMPT},
+            {"role": "user", "content": f"Question:\n{problem}\n\nSolution:\n{solution}"}]
+
+
+def parse_hint_levels(reply: str) -> dict[str, str]:
+    """The hints of a reply: the JSON object's levels (in a code fence or after some text), else
+    the whole reply as one level-1 hint; {} for an empty reply. Each hint is cut at MAX_HINT_CHARS.
+
+    >>> parse_hint_levels('Sure. ```json {"level_1": "Think of carries.", "level_2": "7+5 > 9"} ```')
+    {'level_1': 'Think of carries.', 'level_2': '7+5 > 9'}
+    >>> parse_hint_levels("  add the units first ")
+    {'level_1': 'add the units first'}
+    """
+    text = reply.strip()
+    start, end = text.find("{"), text.rfind("}")
+    if start != -1 and end > start:
+        try:
+            payload = json.loads(text[start : end + 1])
+        except json.JSONDecodeError:
+            payload = None
+        if isinstance(payload, dict):
+            levels = {key: str(payload[key]).strip()[:MAX_HINT_CHARS] for key in LEVELS
+                      if key in payload and str(payload[key]).strip()}
+            if levels:
+                return levels
+    return {"level_1": text[:MAX_HINT_CHARS]} if text else {}
+
+
+def hinted_problem(problem: str, hint: str) -> str:
+    """The problem as the hinted group sees it (step 4).
+
+    >>> hinted_problem("What is 7 + 5?", "Carry the ten.")
+    'What is 7 + 5?\\n\\nHere is a hint to help you:\\nCarry the ten.'
+    """
+    return f"{problem}\n\nHere is a hint to help you:\n{hint}"
+
+
+def leaks_answer(hint: str, answer: str) -> bool:
+    """Whether a hint states the final answer as a number or expression of its own (step 6).
+
+    >>> leaks_answer("The sum is 12.", "12"), leaks_answer("Carry the 1 to the tens.", "12")
+    (True, False)
+    """
+    answer = answer.strip()
+    # Not inside a longer number or word: "12" is not in "120", "x12" or "12.5"; "is 12." is a leak.
+    return bool(answer) and re.search(rf"(?<![\w.]){re.escape(answer)}(?!\w|\.\d)", hint) is not None
+
+
+@dataclass
+class HintStats:
+    """One step's record of self-hinting, as metrics.jsonl's ``hints/*`` keys."""
+
+    prompts: int = 0  # prompts sampled this step
+    prompts_with_signal: int = 0  # ... whose final group's rewards are not all equal
+    groups_needing_hint: int = 0  # all-wrong groups after the unhinted rollouts
+    groups_hinted: int = 0  # ... that got a hint and were sampled again
+    groups_solved_by_hint: int = 0  # ... whose hinted group has a correct rollout
+    leaked: int = 0  # hints that state the answer (used all the same)
+    missing_solution: int = 0  # rows without a reference solution: skipped
+    hint_chars: list[int] = field(default_factory=list)
+    reward_without_hints: list[float] = field(default_factory=list)  # rewards of groups never hinted
+    reward_with_hints: list[float] = field(default_factory=list)  # rewards of hinted groups
+
+    def record(self) -> dict[str, float]:
+        """prompt usage rate = the fraction of sampled prompts whose group carried signal.
+
+        >>> HintStats(prompts=4, prompts_with_signal=3, groups_hinted=1).record()["hints/prompt_usage_rate"]
+        0.75
+        """
+        record = {
+            "hints/prompt_usage_rate": self.prompts_with_signal / max(1, self.prompts),
+            "hints/groups_needing_hint": self.groups_needing_hint,
+            "hints/groups_hinted": self.groups_hinted,
+            "hints/groups_solved_by_hint": self.groups_solved_by_hint,
+            "hints/leaked": self.leaked,
+            "hints/missing_solution": self.missing_solution,
+        }
+        for key, values in (("mean_hint_chars", self.hint_chars), ("reward_without_hints", self.reward_without_hints),
+                            ("reward_with_hints", self.reward_with_hints)):
+            if values:  # a mean of nothing is left out rather than logged as NaN
+                record[f"hints/{key}"] = sum(values) / len(values)
+        return record

@@ -1,0 +1,88 @@
+"""hints.py and sage.self_hint: all-wrong groups get a policy-written hint from the reference
+solution, are sampled again on prompt + hint and graded against the original answer."""
+
+import json
+from types import SimpleNamespace
+
+import torch
+
+import demo
+import hints
+import sage
+
+
+def test_replies_become_hint_levels_and_leaks_are_counted_not_dropped():
+    reply = 'Here you go:\n```json\n{"level_1": "Think about carrying.", "level_2": "The answer is 12.", "level_3": ""}\n```'
+    assert hints.parse_hint_levels(reply) == {"level_1": "Think about carrying.", "level_2": "The answer is 12."}
+    assert hints.parse_hint_levels('{"level_1": ') == {"level_1": '{"level_1":'}  # not JSON: one plain hint
+    assert hints.parse_hint_levels("   ") == {}
+    assert hints.leaks_answer("The answer is 12.", "12") and not hints.leaks_answer("7 + 5 = 1 ten and 2", "12")
+    assert not hints.leaks_answer("It is 120.", "12")
+    assert len(hints.parse_hint_levels("x" * 5000)["level_1"]) == hints.MAX_HINT_CHARS
+
+
+class ScriptedEngine:
+    """Answers prompts by what they hold: a hint request gets hint levels (level 1 unhelpful,
+    level 2 leaking the answer); a hinted prompt at level 2 gets right answers; anything else wrong."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def generate(self, prompts, sampling):
+        texts = [self.tokenizer.decode(p) for p in prompts]
+        self.calls.append(texts)
+        out = []
+        for text in texts:
+            if "Solution:" in text:
+                reply = json.dumps({"level_1": "Look at the numbers.", "level_2": "It is 12, carry the ten."})
+            elif "carry the ten" in text:
+                reply = "<SOLUTION>12</SOLUTION>"
+            else:
+                reply = "<SOLUTION>2</SOLUTION>"
+            out.append([SimpleNamespace(text=reply, token_ids=[5, 6], finish_reason="stop", logprobs=[-1.0, -1.0])
+                        for _ in range(sampling.n)])
+        return out
+
+
+def run_collect(self_hints: bool):
+    tokenizer = demo.build_tiny_tokenizer()
+    engine = ScriptedEngine(tokenizer)
+    problems = [{"problem": "Add 7 and 5.", "answer": "12", "solution": "7+5=12"},
+                {"problem": "Add 9 and 9.", "answer": "18", "solution": ""}]
+    prompts = [sage.build_prompt_ids(tokenizer, p["problem"]) for p in problems]
+    config = sage.Config(model="m", rollouts=2, prompts_per_step=2, max_seq_len=1200, max_prompt_len=1000,
+                         self_hints=self_hints)
+    graded = []
+
+    def reward(completions, problem_texts, answers):
+        graded.append((list(problem_texts), list(answers)))
+        return [float(c == "<SOLUTION>" + a + "</SOLUTION>") for c, a in zip(completions, answers)]
+
+    sampler = sage.PromptSampler(2, seed=0)
+    sampler.take = lambda count: [0, 1]
+    stats = hints.HintStats() if self_hints else None
+    result = sage.collect_rollouts(engine, sampler, prompts, problems, config, 0, reward, None, stats)
+    return engine, tokenizer, result, graded, stats
+
+
+def test_a_hinted_group_is_sampled_on_prompt_plus_hint_and_graded_against_the_original_answer():
+    engine, tokenizer, (rollouts, rewards, groups, zero_signal), graded, stats = run_collect(self_hints=True)
+    # both groups all wrong; only the first has a reference solution: one hint request
+    assert sum("Solution:" in text for call in engine.calls for text in call) == 1
+    hinted_prompt = tokenizer.decode(rollouts.prompt_ids[0])
+    assert "Here is a hint to help you:\nIt is 12, carry the ten." in hinted_prompt  # level 1 failed, level 2 solved it
+    assert rewards.tolist() == [1.0, 1.0, 0.0, 0.0] and zero_signal == 2  # all right, all wrong: no signal either
+    assert all(problems == ["Add 7 and 5.", "Add 7 and 5."] and answers == ["12", "12"]
+               for problems, answers in graded[1:])  # hinted rollouts: the original problem and answer
+    record = stats.record()
+    assert record["hints/groups_needing_hint"] == 2 and record["hints/missing_solution"] == 1
+    assert record["hints/groups_hinted"] == 1 and record["hints/groups_solved_by_hint"] == 1
+    assert record["hints/leaked"] == 1  # level 2 states the answer: used all the same, counted
+    assert record["hints/prompt_usage_rate"] == 0.0  # prompts whose group carried signal: neither (all 1s, all 0s)
+
+
+def test_with_hints_off_the_step_is_the_plain_one():
+    engine, tokenizer, (rollouts, rewards, _, _), _, _ = run_collect(self_hints=False)
+    assert len(engine.calls) == 1 and rewards.tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert all("hint" not in tokenizer.decode(ids) for ids in rollouts.prompt_ids)
+    assert isinstance(rewards, torch.Tensor)
