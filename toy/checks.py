@@ -28,6 +28,7 @@ from toy.fixed_points import find_fixed_point, group_gradient, on_policy_gradien
 BETA = 0.5  # KL coefficient of the toy problems (the paper's 0.05 only in the App. C example)
 FIXED_POINT_TOLERANCE = 1e-6  # loss.py rounds advantages and shaped returns to float32
 SEPARATION_MARGIN = 1e-3  # a "misses" claim needs a gap 1000x above FIXED_POINT_TOLERANCE
+BRANCH_TAU = guides.GuideConfig(name="branch").tau
 
 
 @dataclass(frozen=True)
@@ -345,6 +346,59 @@ def check_thm43_under_the_trained_estimators() -> list[Result]:
         equal("self_consistent_branch_guide_is_inactive_at_every_fixed_point", "d",
               "pi(y2) with q recomputed from the policy vs without a guide, every estimator",
               [pi[name]["self"] for name in rows], [pi[name]["none"] for name in rows], 1e-9),
+    ]
+
+
+@check
+def check_table_solver() -> list[Result]:
+    """The table's points are the fixed points a trainer heads to, checked independently.
+
+    (1) loss.py's expected gradient, divided by the probability of reaching each node and taking
+    each token there (``table.node_residual``), vanishes at the backward-induction points: every
+    node is stationary, not only the well-visited ones. (2) Newton's method on loss.py's expected
+    gradient, from a start that is not the answer, finds the same points. (3) Each point attracts
+    gradient descent (``table.slowest_rate`` > 0). (4) The self-consistent guide is unique: at
+    the fixed point for *any* q in [1, 1.4] at y2's branching node (all Eq. 11 can give), that
+    node's entropy is below tau, so Eq. 11 gives q = 1 and only the unguided point is consistent.
+    Why |g| alone is not enough: a policy that has all but abandoned the branch (pi(1) ~ 1e-14 at
+    the root, the branching node left at pi_ref) has |g| < 1e-8 but is not stationary there.
+    """
+    problem = problems.appendix_c_tree()
+    rows = table.estimator_table()
+    residuals, gaps, rates, entropies = [], [], [], []
+    for row in rows:
+        for guide in table.GUIDES:
+            theta = row.theta[guide]
+            residuals.append(table.node_residual(problem, theta, row.estimator, guide).abs().max().item())
+            newton = table.newton_point(problem, row.estimator, guide)
+            gaps.append((sequence_probs(problem, newton) - sequence_probs(problem, theta)).abs().max().item())
+            rates.append(table.slowest_rate(problem, theta, row.estimator, guide))
+        entropies.append(table.branch_entropy_over_q(problem, row.estimator).max().item())
+    # An abandoned branch: k2's fixed point with the root's token 1 pushed to ~1e-14, node (1,) at pi_ref.
+    tree, branch = problem.tree, problem.tree.node_id[(1,)]
+    abandoned = next(row for row in rows if row.estimator == "k2").theta["none"].clone()
+    abandoned[tree.offsets[0] + 1] -= 30.0
+    node = slice(tree.offsets[branch], tree.offsets[branch] + len(tree.children[branch]))
+    abandoned[node] = problem.ref_theta[node]
+    abandoned_gradient = table.expected_gradient(problem, abandoned, "k2", "none").abs().max().item()
+    abandoned_residual = table.node_residual(problem, abandoned, "k2", "none").abs().max().item()
+    return [
+        equal("table_points_are_stationary_at_every_node", "d",
+              "max |expected gradient / (rho(s) pi(a|s))| at the table's 15 points", max(residuals), 0.0, 1e-8),
+        equal("newton_on_policy_loss_finds_the_backward_induction_points", "d",
+              "max |pi(y)| difference, Newton on loss.py's expected gradient vs backward induction, 15 points",
+              max(gaps), 0.0, 1e-10),
+        exceeds("table_points_attract_gradient_descent", "d",
+                "smallest real part of d(residual)/d theta's eigenvalues off the flat directions, 15 points",
+                min(rates), 1e-3),
+        exceeds("self_consistent_branch_guide_is_unique", "d",
+                f"tau - max entropy of the branching node over q in [1, 1.4] = {BRANCH_TAU} - {max(entropies):.3f}",
+                BRANCH_TAU - max(entropies), 0.1),
+        equal("abandoned_branch_has_a_tiny_gradient", "d",
+              "|expected gradient|_inf, k2, pi(1) ~ 1e-14 at the root, y2's node at pi_ref",
+              abandoned_gradient, 0.0, 1e-8),
+        exceeds("abandoned_branch_is_not_stationary", "d", "max |expected gradient / (rho pi)| at that policy",
+                abandoned_residual, 0.1),
     ]
 
 
