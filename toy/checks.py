@@ -26,7 +26,7 @@ from toy.exact import DTYPE, maximize
 from toy.fixed_points import find_fixed_point, group_gradient, on_policy_gradient
 
 BETA = 0.5  # KL coefficient of the toy problems (the paper's 0.05 only in the App. C example)
-FIXED_POINT_TOLERANCE = 1e-6  # loss.py rounds advantages and shaped returns to float32
+FIXED_POINT_TOLERANCE = 1e-6  # find_fixed_point stops near 1e-9 on the small problems; GRPO advantages are float32
 SEPARATION_MARGIN = 1e-3  # a "misses" claim needs a gap 1000x above FIXED_POINT_TOLERANCE
 BRANCH_TAU = guides.GuideConfig(name="branch").tau
 
@@ -311,35 +311,48 @@ def check_thm43_appendix_c_branch_guide() -> list[Result]:
 def check_thm43_under_the_trained_estimators() -> list[Result]:
     """Theorem 4.3 on the App. C tree under loss.py's own expected gradient (toy/table.py).
 
-    With q fixed at pi_ref's entropies (the theorem's q): k1 in the return reaches Eq. 4 and the
-    branch guide lifts y2 into supp_delta; per-token k2 and ratio_k3 ignore a position-constant q;
-    per-token k3 and the forward baseline move y2 *down*; and every per-token penalty already puts
-    y2 above delta without a guide (it sees no KL of later tokens), so the theorem's premise fails
-    there. With q recomputed from the policy (what training converges to), the branch node's
-    entropy falls below tau at every fixed point and the guide acts on none of them.
+    Four claims about the trained estimators, each decided for both readings of "the branch guide":
+    q fixed at pi_ref's entropies (the theorem's q, and a trainer's first step) and q recomputed
+    from the policy at the point (self-consistent, what a trainer that recomputes q converges to).
+
+    * k1 in the return: its fixed points are Eq. 2 and Eq. 4, so the fixed guide lifts y2 into
+      supp_delta as the theorem says; the self-consistent guide does not (below).
+    * k2 and ratio_k3: a position-constant q cancels, the guide changes nothing.
+    * k3 (the paper's) and the forward baseline: the fixed guide *lowers* pi(y2) (a forward pull
+      of strength beta q toward pi_ref at the branching node); the self-consistent one does not.
+    * Every per-token penalty puts y2 above delta without any guide (it sees no KL of later
+      tokens), so the theorem's premise (y2 outside supp_delta of plain RLVR) fails for them.
+    * Recomputed from the policy, the guide acts at no fixed point: the branching node's entropy
+      falls below tau there (check_table_solver: whatever q the guide gave it), so q = 1.
     """
     rows = {row.estimator: row for row in table.estimator_table()}
     closed = table.exact_objective_pi_y2()
     pi = {name: row.pi_y2 for name, row in rows.items()}
     per_token = ("k2", "k3", "ratio_k3", "forward")
     margin, delta = SEPARATION_MARGIN, table.DELTA
+    k1, k3, fw = pi["k1_return"], pi["k3"], pi["forward"]
     return [
         equal("table_gradient_norms_at_reported_points", "d", "max |expected gradient|_inf over the table's points",
               max(max(row.gradient.values()) for row in rows.values()), 0.0, 1e-8),
-        equal("k1_return_fixed_points_are_eq2_and_eq4", "d", "pi(y2) of k1 in the return vs Eq. 2 / Eq. 4",
-              [pi["k1_return"]["none"], pi["k1_return"]["fixed"]], [closed["none"], closed["fixed"]], 1e-9),
+        equal("k1_return_fixed_points_are_eq2_and_eq4", "d",
+              "pi(y2) of k1 in the return vs Eq. 2 / Eq. 4 (fixed q) / Eq. 4 (q of its own entropies)",
+              [k1[g] for g in table.GUIDES], [closed[g] for g in table.GUIDES], 1e-9),
         exceeds("k1_return_without_guide_y2_outside_supp_delta", "d",
-                f"delta - pi(y2) = {delta} - {pi['k1_return']['none']:.5f}", delta - pi["k1_return"]["none"]),
-        exceeds("k1_return_branch_guide_lifts_y2_into_supp_delta", "d",
-                f"pi(y2) - delta = {pi['k1_return']['fixed']:.5f} - {delta}", pi["k1_return"]["fixed"] - delta),
-        equal("k2_and_ratio_k3_ignore_the_branch_guide", "d", "pi(y2) with the fixed branch q vs without",
-              [pi["k2"]["fixed"], pi["ratio_k3"]["fixed"]], [pi["k2"]["none"], pi["ratio_k3"]["none"]], 1e-9),
-        exceeds("k3_branch_guide_lowers_y2", "d",
-                f"pi(y2) without - with the branch guide = {pi['k3']['none']:.5f} - {pi['k3']['fixed']:.5f}",
-                pi["k3"]["none"] - pi["k3"]["fixed"], margin),
-        exceeds("forward_baseline_branch_guide_lowers_y2", "d",
-                f"pi(y2) without - with = {pi['forward']['none']:.5f} - {pi['forward']['fixed']:.5f}",
-                pi["forward"]["none"] - pi["forward"]["fixed"], margin),
+                f"delta - pi(y2) = {delta} - {k1['none']:.5f}", delta - k1["none"]),
+        exceeds("k1_return_fixed_branch_guide_lifts_y2_into_supp_delta", "d",
+                f"pi(y2) with the fixed branch guide - delta = {k1['fixed']:.5f} - {delta}", k1["fixed"] - delta),
+        exceeds("k1_return_self_consistent_guide_leaves_y2_outside_supp_delta", "d",
+                f"delta - pi(y2) with q recomputed from the policy = {delta} - {k1['self']:.5f}", delta - k1["self"]),
+        equal("k2_and_ratio_k3_ignore_the_branch_guide", "d",
+              "pi(y2) with the branch guide (fixed, self-consistent) vs without, k2 and ratio_k3",
+              [pi[e][g] for e in ("k2", "ratio_k3") for g in ("fixed", "self")],
+              [pi[e]["none"] for e in ("k2", "ratio_k3") for _ in ("fixed", "self")], 1e-9),
+        exceeds("k3_fixed_branch_guide_lowers_y2", "d",
+                f"pi(y2) without - with the fixed branch guide = {k3['none']:.5f} - {k3['fixed']:.5f}",
+                k3["none"] - k3["fixed"], margin),
+        exceeds("forward_baseline_fixed_branch_guide_lowers_y2", "d",
+                f"pi(y2) without - with the fixed branch guide = {fw['none']:.5f} - {fw['fixed']:.5f}",
+                fw["none"] - fw["fixed"], margin),
         exceeds("per_token_penalties_put_y2_in_supp_delta_without_a_guide", "d",
                 "min over k2, k3, ratio_k3, forward of pi(y2) - delta, no guide",
                 min(pi[name]["none"] for name in per_token) - delta),
