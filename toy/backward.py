@@ -1,21 +1,20 @@
 """Each estimator's fixed point on a token tree by backward induction, derived by hand (no loss.py).
 
-A second, independent route to the points ``toy.table`` reports: instead of finding a root of
-loss.py's expected gradient numerically, solve the stationarity condition of every node from
-the leaves up, in float64, with formulas derived on paper. ``toy.checks`` then evaluates
-loss.py's own expected gradient at these points (it must vanish) and compares them with the
-table's Newton roots (they must coincide).
+``toy.table``'s solver: instead of searching for a root of loss.py's expected gradient, solve the
+stationarity condition of every node from the leaves up, in float64, with formulas derived on
+paper. Nothing here calls loss.py, so ``toy.checks`` can then hold loss.py to them: its expected
+gradient must vanish at these points, node by node, and Newton's method on it must land on them.
 
 The derivation. On-policy (every ratio 1) with a constant baseline, loss.py's expected gradient
-with respect to the logits theta_s of node s is
+with respect to the logit of child j at node s is, for completions of one length L (so that the
+grpo aggregation's per-sequence token mean is a common factor 1/L; the App. C tree's are all 2):
 
-    rho(s) * sum_a pi(a|s) (c(s, a) - sum_b pi(b|s) c(s, b)) e_a,
+    (rho(s) / L) pi(j|s) (c(s, j) - sum_a pi(a|s) c(s, a)),
     c(s, a) = -Q(s, a) + beta * d penalty / d log pi(a|s),
 
-where rho(s) is the probability of reaching s and e_a the unit vector of child a (the softmax's
-Jacobian). A per-token penalty depends on its own log-prob only, so its gradient is pathwise and
-Q(s, a) = E[r | s, a] is the reward to go: the later tokens' penalties do not enter. With
-u = p~(a|s) / pi(a|s), p~(a|s) = pi_ref(a|s) q(s, a):
+where rho(s) is the probability of reaching s. A per-token penalty depends on its own log-prob
+only, so its gradient is pathwise and Q(s, a) = E[r | s, a] is the reward to go: the later
+tokens' penalties do not enter. With u = p~(a|s) / pi(a|s), p~(a|s) = pi_ref(a|s) q(s, a):
 
     k2, ratio_k3   d/dlog pi (log u)^2 / 2 = -log u  ->  Q + beta log u = lambda_s,
                    pi(a|s) ∝ p~(a|s) exp(Q(s, a) / beta)              (Eq. 4 at one position)
@@ -23,19 +22,20 @@ u = p~(a|s) / pi(a|s), p~(a|s) = pi_ref(a|s) q(s, a):
                    pi(a|s) = beta p~(a|s) / (lambda_s - Q(s, a))      (Eq. 27's form)
     forward        d/dlog pi (u log u - u + 1) = -u log u  ->  Q + beta u log u = lambda_s
 
-Wherever rho(s) > 0 the gradient vanishes iff every c(s, a) is equal, so the fixed point is
+Wherever rho(s) > 0 the gradient vanishes iff every c(s, a) at s is equal, so the fixed point is
 the per-node solution, node by node, each using the Q of the already solved nodes below it.
-With k1 in the return the advantage carries the later tokens' KL, and the fixed point is Eq. 4
-itself; its conditionals come from the soft values V(s) = beta log sum_a p~(a|s) exp(V(s a) / beta),
-V(leaf) = r.
+With k1 in the return the advantage carries the later tokens' KL and the fixed point is Eq. 4
+itself (any lengths); its conditionals come from the soft values
+V(s) = beta log sum_a p~(a|s) exp(V(s a) / beta), V(leaf) = r.
 
-Stability. The node's Jacobian block at a root is pi_j [d_j (delta_jk - pi_k) - pi_k (d_k - dbar)]
-with d_a = pi(a|s) dc(s, a)/dpi(a|s) / beta-free sign: for k2 and k3 every d_a < 0 and the root is
-the unique attractor of the node. For the forward penalty d_a = beta u (1 + log u) has the sign of
-u - 1/e, the condition Q + beta u log u = lambda has two branches of u, and a root attracts
-gradient descent iff at most one child sits on the lower branch (u < 1/e) and then
-sum_a pi(a|s) / (u_a (1 + log u_a)) < 0 (a bordered-Hessian test); ``forward_node`` enumerates the
-branches and keeps the attractors, and raises unless there is exactly one.
+Stability. At a root, v . J v = (rho(s) / L) sum_a pi(a|s) d_a w_a^2 for the node's block J of the
+gradient's Jacobian, w = v - E_pi[v] and d_a = pi(a|s) dc(s, a)/dpi(a|s): beta for k2, beta u for
+k3, beta u (1 + log u) for the forward penalty. The root attracts gradient descent iff that form
+is positive for every w != 0 with E_pi[w] = 0: always for k2 and k3 (their node solutions are
+unique attractors); for the forward penalty, whose condition has two branches of u (u log u is
+not monotone), iff at most one child sits on the lower branch u < 1/e and then
+sum_a pi(a|s) / (u_a (1 + log u_a)) < 0 (a bordered-Hessian test). ``forward_node`` enumerates the
+branches, keeps the attractors and raises unless there is exactly one.
 """
 
 from __future__ import annotations
@@ -144,6 +144,8 @@ def node_solution(anchor: torch.Tensor, q_values: torch.Tensor, beta: float, est
 def fixed_point(tree: TokenTree, ref_theta: torch.Tensor, rewards: torch.Tensor, log_q_param: torch.Tensor,
                 estimator: str, beta: float) -> torch.Tensor:
     """Logits [P] of the estimator's fixed point, solved from the deepest nodes up (q fixed)."""
+    if estimator != "k1_return" and len(set(tree.lengths.tolist())) > 1:
+        raise ValueError("per-token node conditions need completions of one length (see the module's docstring)")
     anchors = (tree.param_log_probs(ref_theta) + log_q_param).exp()  # [P] p~(a|s)
     leaf_value = dict(zip(tree.completions, rewards.tolist()))
     value = {}  # V(s): reward to go (per-token estimators) or soft value (k1_return)
