@@ -27,8 +27,11 @@ REQUIRED_ROWS = {
     "d": ["k2_in_loss_reaches_eq4_one_token", "k1_return_reaches_eq4_one_token",
           "k3_in_loss_reaches_forward_kl_fixed_point", "k1_return_reaches_eq4_two_token_tree",
           "k2_in_loss_misses_eq4_two_token_tree", "k2_in_loss_position_constant_q_cancels",
-          "k1_return_branch_guide_lifts_y2_into_supp_delta", "k3_branch_guide_lowers_y2",
-          "per_token_penalties_put_y2_in_supp_delta_without_a_guide", "table_gradient_norms_at_reported_points"],
+          "k1_return_fixed_branch_guide_lifts_y2_into_supp_delta", "k3_fixed_branch_guide_lowers_y2",
+          "per_token_penalties_put_y2_in_supp_delta_without_a_guide", "table_gradient_norms_at_reported_points",
+          "self_consistent_branch_guide_is_inactive_at_every_fixed_point", "table_points_are_stationary_at_every_node",
+          "newton_on_policy_loss_finds_the_backward_induction_points", "table_points_attract_gradient_descent",
+          "self_consistent_branch_guide_is_unique"],
     "e": ["k3_expectation_equals_kl_plus_offset", "bnpo_alpha_beta_3_2_proportional_to_grpo_std"],
 }
 
@@ -89,4 +92,29 @@ def test_the_estimator_table_prints_every_estimator_with_tiny_gradients(capsys):
         assert estimator in text
     from toy import table
 
-    assert all(norm <= 1e-8 for row in table.estimator_table() for norm in row.gradient.values())
+    rows = table.estimator_table()
+    assert [row.estimator for row in rows] == list(table.ESTIMATORS)
+    assert all(set(row.gradient) == set(table.GUIDES) for row in rows)
+    assert all(norm <= 1e-8 for row in rows for norm in row.gradient.values())
+
+
+def test_the_estimator_table_orderings():
+    """The App. C orderings, read off the table itself (the checks assert them with margins too)."""
+    from toy import table
+
+    pi = {row.estimator: row.pi_y2 for row in table.estimator_table()}
+    delta = table.DELTA
+    # k1 in the return: Theorem 4.3 with q fixed at pi_ref's entropies; no lift once q is the policy's own.
+    assert pi["k1_return"]["none"] < delta < pi["k1_return"]["fixed"]
+    assert pi["k1_return"]["self"] == pytest.approx(pi["k1_return"]["none"], abs=1e-12)
+    # k2 and ratio_k3: the branch guide changes nothing, and y2 sits at pi_ref's 0.1 of the branch.
+    for name in ("k2", "ratio_k3"):
+        assert pi[name]["fixed"] == pytest.approx(pi[name]["none"], abs=1e-12)
+        assert pi[name]["self"] == pytest.approx(pi[name]["none"], abs=1e-12)
+        assert pi[name]["none"] == pytest.approx(0.1, abs=1e-6)
+    # k3 (the paper's) and the forward baseline: the fixed guide lowers y2; the self-consistent one is inactive.
+    for name in ("k3", "forward"):
+        assert pi[name]["fixed"] < pi[name]["none"] - 1e-3
+        assert pi[name]["self"] == pytest.approx(pi[name]["none"], abs=1e-12)
+    # Every per-token penalty: y2 above delta with no guide at all; ordered k2 = ratio_k3 > k3 > forward.
+    assert delta < pi["forward"]["none"] < pi["k3"]["none"] < pi["k2"]["none"]

@@ -25,7 +25,9 @@ d. The fixed points of ``loss.policy_loss`` with each estimator, found by iterat
    (a forward-KL fixed point), why a position-constant guide cancels under per-token k2, how
    advantage normalization (RLOO, Dr. GRPO, GRPO's std) moves the fixed point of an in-loss
    penalty but not of k1 in the return, whether the forward-KL baseline reaches Eq. 27, and
-   Theorem 4.3 under each estimator (``python -m toy --table``, toy/table.py, docs/fixed-points.md).
+   Theorem 4.3 under each estimator (``python -m toy --table``, toy/table.py, docs/fixed-points.md):
+   fixed points found by backward induction over the tree (``toy.backward``), then held to
+   loss.py's expected gradient node by node, to Newton's method on it, and to a stability test.
 e. The value of k3 (E[k3] = KL + Z - 1 - log Z, the offset policy_loss logs) and BNPO with
    alpha = beta = 3/2 being GRPO's std up to a constant.
 
@@ -36,7 +38,8 @@ return r - beta sum_t log(pi_t / p~_t) with a score-function gradient reaches Eq
 
 Modules: ``exact`` (trees, objectives, closed forms, a numerical maximizer), ``problems`` (the
 fixed small examples), ``fixed_points`` (expected gradients of loss.py and a root finder),
-``checks`` (the registry ``CHECKS``; each function returns ``Result`` rows).
+``backward`` (each estimator's fixed point by per-node conditions, without loss.py), ``table``
+(the App. C table), ``checks`` (the registry ``CHECKS``; each function returns ``Result`` rows).
 """
 
 from toy.checks import CHECKS, Result, run_checks

@@ -26,8 +26,9 @@ from toy.exact import DTYPE, maximize
 from toy.fixed_points import find_fixed_point, group_gradient, on_policy_gradient, per_position_solution
 
 BETA = 0.5  # KL coefficient of the toy problems (the paper's 0.05 only in the App. C example)
-FIXED_POINT_TOLERANCE = 1e-6  # loss.py rounds advantages and shaped returns to float32
+FIXED_POINT_TOLERANCE = 1e-6  # find_fixed_point stops near 1e-9 on the small problems; GRPO advantages are float32
 SEPARATION_MARGIN = 1e-3  # a "misses" claim needs a gap 1000x above FIXED_POINT_TOLERANCE
+BRANCH_TAU = guides.GuideConfig(name="branch").tau
 
 
 @dataclass(frozen=True)
@@ -289,41 +290,107 @@ def check_thm43_appendix_c_branch_guide() -> list[Result]:
 def check_thm43_under_the_trained_estimators() -> list[Result]:
     """Theorem 4.3 on the App. C tree under loss.py's own expected gradient (toy/table.py).
 
-    With q fixed at pi_ref's entropies (the theorem's q): k1 in the return reaches Eq. 4 and the
-    branch guide lifts y2 into supp_delta; per-token k2 and ratio_k3 ignore a position-constant q;
-    per-token k3 and the forward baseline move y2 *down*; and every per-token penalty already puts
-    y2 above delta without a guide (it sees no KL of later tokens), so the theorem's premise fails
-    there. With q recomputed from the policy (what training converges to), the branch node's
-    entropy falls below tau at every fixed point and the guide acts on none of them.
+    Four claims about the trained estimators, each decided for both readings of "the branch guide":
+    q fixed at pi_ref's entropies (the theorem's q, and a trainer's first step) and q recomputed
+    from the policy at the point (self-consistent, what a trainer that recomputes q converges to).
+
+    * k1 in the return: its fixed points are Eq. 2 and Eq. 4, so the fixed guide lifts y2 into
+      supp_delta as the theorem says; the self-consistent guide does not (below).
+    * k2 and ratio_k3: a position-constant q cancels, the guide changes nothing.
+    * k3 (the paper's) and the forward baseline: the fixed guide *lowers* pi(y2) (a forward pull
+      of strength beta q toward pi_ref at the branching node); the self-consistent one does not.
+    * Every per-token penalty puts y2 above delta without any guide (it sees no KL of later
+      tokens), so the theorem's premise (y2 outside supp_delta of plain RLVR) fails for them.
+    * Recomputed from the policy, the guide acts at no fixed point: the branching node's entropy
+      falls below tau there (check_table_solver: whatever q the guide gave it), so q = 1.
     """
     rows = {row.estimator: row for row in table.estimator_table()}
     closed = table.exact_objective_pi_y2()
     pi = {name: row.pi_y2 for name, row in rows.items()}
     per_token = ("k2", "k3", "ratio_k3", "forward")
     margin, delta = SEPARATION_MARGIN, table.DELTA
+    k1, k3, fw = pi["k1_return"], pi["k3"], pi["forward"]
     return [
         equal("table_gradient_norms_at_reported_points", "d", "max |expected gradient|_inf over the table's points",
               max(max(row.gradient.values()) for row in rows.values()), 0.0, 1e-8),
-        equal("k1_return_fixed_points_are_eq2_and_eq4", "d", "pi(y2) of k1 in the return vs Eq. 2 / Eq. 4",
-              [pi["k1_return"]["none"], pi["k1_return"]["fixed"]], [closed["none"], closed["fixed"]], 1e-9),
+        equal("k1_return_fixed_points_are_eq2_and_eq4", "d",
+              "pi(y2) of k1 in the return vs Eq. 2 / Eq. 4 (fixed q) / Eq. 4 (q of its own entropies)",
+              [k1[g] for g in table.GUIDES], [closed[g] for g in table.GUIDES], 1e-9),
         exceeds("k1_return_without_guide_y2_outside_supp_delta", "d",
-                f"delta - pi(y2) = {delta} - {pi['k1_return']['none']:.5f}", delta - pi["k1_return"]["none"]),
-        exceeds("k1_return_branch_guide_lifts_y2_into_supp_delta", "d",
-                f"pi(y2) - delta = {pi['k1_return']['fixed']:.5f} - {delta}", pi["k1_return"]["fixed"] - delta),
-        equal("k2_and_ratio_k3_ignore_the_branch_guide", "d", "pi(y2) with the fixed branch q vs without",
-              [pi["k2"]["fixed"], pi["ratio_k3"]["fixed"]], [pi["k2"]["none"], pi["ratio_k3"]["none"]], 1e-9),
-        exceeds("k3_branch_guide_lowers_y2", "d",
-                f"pi(y2) without - with the branch guide = {pi['k3']['none']:.5f} - {pi['k3']['fixed']:.5f}",
-                pi["k3"]["none"] - pi["k3"]["fixed"], margin),
-        exceeds("forward_baseline_branch_guide_lowers_y2", "d",
-                f"pi(y2) without - with = {pi['forward']['none']:.5f} - {pi['forward']['fixed']:.5f}",
-                pi["forward"]["none"] - pi["forward"]["fixed"], margin),
+                f"delta - pi(y2) = {delta} - {k1['none']:.5f}", delta - k1["none"]),
+        exceeds("k1_return_fixed_branch_guide_lifts_y2_into_supp_delta", "d",
+                f"pi(y2) with the fixed branch guide - delta = {k1['fixed']:.5f} - {delta}", k1["fixed"] - delta),
+        exceeds("k1_return_self_consistent_guide_leaves_y2_outside_supp_delta", "d",
+                f"delta - pi(y2) with q recomputed from the policy = {delta} - {k1['self']:.5f}", delta - k1["self"]),
+        equal("k2_and_ratio_k3_ignore_the_branch_guide", "d",
+              "pi(y2) with the branch guide (fixed, self-consistent) vs without, k2 and ratio_k3",
+              [pi[e][g] for e in ("k2", "ratio_k3") for g in ("fixed", "self")],
+              [pi[e]["none"] for e in ("k2", "ratio_k3") for _ in ("fixed", "self")], 1e-9),
+        exceeds("k3_fixed_branch_guide_lowers_y2", "d",
+                f"pi(y2) without - with the fixed branch guide = {k3['none']:.5f} - {k3['fixed']:.5f}",
+                k3["none"] - k3["fixed"], margin),
+        exceeds("forward_baseline_fixed_branch_guide_lowers_y2", "d",
+                f"pi(y2) without - with the fixed branch guide = {fw['none']:.5f} - {fw['fixed']:.5f}",
+                fw["none"] - fw["fixed"], margin),
         exceeds("per_token_penalties_put_y2_in_supp_delta_without_a_guide", "d",
                 "min over k2, k3, ratio_k3, forward of pi(y2) - delta, no guide",
                 min(pi[name]["none"] for name in per_token) - delta),
         equal("self_consistent_branch_guide_is_inactive_at_every_fixed_point", "d",
               "pi(y2) with q recomputed from the policy vs without a guide, every estimator",
               [pi[name]["self"] for name in rows], [pi[name]["none"] for name in rows], 1e-9),
+    ]
+
+
+@check
+def check_table_solver() -> list[Result]:
+    """The table's points are the fixed points a trainer heads to, checked independently.
+
+    (1) loss.py's expected gradient, divided by the probability of reaching each node and taking
+    each token there (``table.node_residual``), vanishes at the backward-induction points: every
+    node is stationary, not only the well-visited ones. (2) Newton's method on loss.py's expected
+    gradient, from a start that is not the answer, finds the same points. (3) Each point attracts
+    gradient descent (``table.slowest_rate`` > 0). (4) The self-consistent guide is unique: at
+    the fixed point for *any* q in [1, 1.4] at y2's branching node (all Eq. 11 can give), that
+    node's entropy is below tau, so Eq. 11 gives q = 1 and only the unguided point is consistent.
+    Why |g| alone is not enough: a policy that has all but abandoned the branch (pi(1) ~ 1e-14 at
+    the root, the branching node left at pi_ref) has |g| < 1e-8 but is not stationary there.
+    """
+    problem = problems.appendix_c_tree()
+    rows = table.estimator_table()
+    residuals, gaps, rates, entropies = [], [], [], []
+    for row in rows:
+        for guide in table.GUIDES:
+            theta = row.theta[guide]
+            residuals.append(table.node_residual(problem, theta, row.estimator, guide).abs().max().item())
+            newton = table.newton_point(problem, row.estimator, guide)
+            gaps.append((sequence_probs(problem, newton) - sequence_probs(problem, theta)).abs().max().item())
+            rates.append(table.slowest_rate(problem, theta, row.estimator, guide))
+        entropies.append(table.branch_entropy_over_q(problem, row.estimator).max().item())
+    # An abandoned branch: k2's fixed point with the root's token 1 pushed to ~1e-14, node (1,) at pi_ref.
+    tree, branch = problem.tree, problem.tree.node_id[(1,)]
+    abandoned = next(row for row in rows if row.estimator == "k2").theta["none"].clone()
+    abandoned[tree.offsets[0] + 1] -= 30.0
+    node = slice(tree.offsets[branch], tree.offsets[branch] + len(tree.children[branch]))
+    abandoned[node] = problem.ref_theta[node]
+    abandoned_gradient = table.expected_gradient(problem, abandoned, "k2", "none").abs().max().item()
+    abandoned_residual = table.node_residual(problem, abandoned, "k2", "none").abs().max().item()
+    return [
+        equal("table_points_are_stationary_at_every_node", "d",
+              "max |expected gradient / (rho(s) pi(a|s))| at the table's 15 points", max(residuals), 0.0, 1e-8),
+        equal("newton_on_policy_loss_finds_the_backward_induction_points", "d",
+              "max |pi(y)| difference, Newton on loss.py's expected gradient vs backward induction, 15 points",
+              max(gaps), 0.0, 1e-10),
+        exceeds("table_points_attract_gradient_descent", "d",
+                "smallest real part of d(residual)/d theta's eigenvalues off the flat directions, 15 points",
+                min(rates), 1e-3),
+        exceeds("self_consistent_branch_guide_is_unique", "d",
+                f"tau - max entropy of the branching node over q in [1, 1.4] = {BRANCH_TAU} - {max(entropies):.3f}",
+                BRANCH_TAU - max(entropies), 0.1),
+        equal("abandoned_branch_has_a_tiny_gradient", "d",
+              "|expected gradient|_inf, k2, pi(1) ~ 1e-14 at the root, y2's node at pi_ref",
+              abandoned_gradient, 0.0, 1e-8),
+        exceeds("abandoned_branch_is_not_stationary", "d", "max |expected gradient / (rho pi)| at that policy",
+                abandoned_residual, 0.1),
     ]
 
 

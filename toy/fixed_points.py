@@ -21,9 +21,14 @@ softmax's Jacobian in closed form) it is g(theta). One backward pass, exact.
 
 ``find_fixed_point`` iterates the update (theta <- theta - lr g(theta)) until g is small, then
 polishes the root of g with Newton steps on a finite-difference Jacobian (the map mixes detached
-and live copies of theta, so autograd's Jacobian would not be the Jacobian of g). loss.py rounds
-advantages and shaped returns to float32, so g has a noise floor of about 1e-9; the solver stops
-there, which bounds the distributions' error to about 1e-8 (the checks allow 1e-6).
+and live copies of theta, so autograd's Jacobian would not be the Jacobian of g). On-policy
+gradients are float64 throughout (loss.py keeps float64 advantages and shaped returns);
+``group_gradient``'s advantages come from ``loss.compute_advantages`` in float32, a noise floor of
+about 1e-9 there. The checks hold its answers to 1e-6. It is meant for the small, well-conditioned
+problems of ``toy.problems`` (beta = 0.5). On the App. C tree at beta = 0.05 its iteration hands
+over while the rare branch is all but abandoned, where g is tiny at every node behind it without
+being zero, and the polish stalls there (|g| 1e-8 to 1e-4, pi(y2) ~ 0); ``toy.table`` solves that
+tree by backward induction (``toy.backward``) instead.
 """
 
 from __future__ import annotations

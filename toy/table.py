@@ -18,66 +18,101 @@ Definitions, so the numbers mean one thing:
   every step and holds it fixed inside the step, so at its fixed point theta*, q = q(theta*) and
   the gradient with that q held fixed is 0. Here q(theta) is Eq. 11 on the node entropies (Eq. 12)
   of pi_theta, in float64, with guides.GuideConfig's defaults (tau 1.2, ratio 0.3, clamp [0.6, 1.4]).
-* The solver is backward induction, then Newton: per-token estimators act at each node through
-  Q(s, a), the reward to go, so the nodes are solved from the leaves up in their closed forms
-  (Eq. 4 at one position for k2 and ratio_k3, the forward form of Eq. 27 for k3), which puts the
-  start next to the root; Newton's method on the full expected gradient (finite-difference
-  Jacobian, minimum-norm steps: each node's logits have one flat direction) then converges,
-  quadratically, to |g| <= 1e-12. The gradient's infinity norm at each reported point is printed.
+* The solver is backward induction (``toy.backward``): every node's stationarity condition,
+  derived by hand and solved in float64 from the leaves up -- Eq. 4 at one position for k2 and
+  ratio_k3, the forward form of Eq. 27 for k3, a per-node root find in lambda for the forward
+  baseline, the soft values of Eq. 4 for k1 in the return. It never calls loss.py; loss.py's
+  expected gradient is then *evaluated* at its answer, and its infinity norm is the |g| the
+  table prints. A small |g| alone would prove little (a policy that has all but abandoned a
+  branch has a tiny gradient at every node behind it, since each node's gradient carries the
+  probability of reaching it); a per-node solution is stationary whatever that probability.
+* Cross-checks (``toy.checks``): Newton's method on loss.py's expected gradient from a rough start
+  lands on the same points; each point attracts gradient descent (the Jacobian's eigenvalues are
+  positive off each node's flat direction); and the branch node's entropy stays below tau at the
+  fixed point for every q the guide can give it, so the self-consistent guide is unique.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 import guides
-from toy import exact, problems
+from toy import backward, exact, problems
 from toy.exact import DTYPE
-from toy.fixed_points import finite_difference_jacobian, on_policy_gradient, per_position_solution
+from toy.fixed_points import finite_difference_jacobian, on_policy_gradient
 
 BETA, DELTA = 0.05, 0.01
 ESTIMATORS = ("k1_return", "k2", "k3", "ratio_k3", "forward")
+GUIDES = ("none", "fixed", "self")
+BRANCH = guides.GuideConfig(name="branch")  # Eq. 11 with the paper's defaults
+Q_GRID = torch.linspace(1.0, BRANCH.q_max, 9, dtype=DTYPE)  # every q Eq. 11 can give (>= 1, clamped)
 
 
-def branch_log_q(problem: problems.Problem, theta: torch.Tensor, config: guides.GuideConfig) -> torch.Tensor:
-    """Eq. 11's log q_t of every token from the entropies of pi_theta at its node, float64. [B, T]"""
-    tree = problem.tree
-    node_q = (1.0 + config.ratio * (tree.node_entropies(theta) - config.tau).clamp_min(0.0))
-    node_q = node_q.clamp(config.q_min, config.q_max)
-    return tree.per_token(node_q.log()[tree.node_of_param])
-
-
-def guide_log_q(problem: problems.Problem, theta: torch.Tensor, guide: str) -> torch.Tensor:
-    """log q_t [B, T] of a guide: "none", "fixed" (Eq. 11 on pi_ref's entropies, the q of the first
-    update and of Theorem 4.3) or "self" (Eq. 11 on pi_theta's own entropies, recomputed)."""
-    config = guides.GuideConfig(name="branch")
+def guide_log_q_param(problem: problems.Problem, theta: torch.Tensor, guide: str) -> torch.Tensor:
+    """log q per (node, child) [P] of a guide: "none", "fixed" (Eq. 11 on pi_ref's entropies, the q of
+    the first update and of Theorem 4.3) or "self" (Eq. 11 on pi_theta's own entropies, recomputed)."""
     if guide == "none":
-        return torch.zeros(problem.tree.shape, dtype=DTYPE)
-    return branch_log_q(problem, problem.ref_theta if guide == "fixed" else theta, config)
+        return torch.zeros(problem.tree.num_params, dtype=DTYPE)
+    return backward.branch_log_q_param(problem.tree, problem.ref_theta if guide == "fixed" else theta, BRANCH)
 
 
-def expected_gradient(problem: problems.Problem, theta: torch.Tensor, estimator: str, guided: str,
-                      beta: float = BETA) -> torch.Tensor:
-    """loss.py's exact expected gradient at theta, with the guide ``guided`` (see guide_log_q). [P]"""
-    log_q = guide_log_q(problem, theta, guided)
+def expected_gradient(problem: problems.Problem, theta: torch.Tensor, estimator: str, guide: str,
+                      beta: float = BETA, log_q_param: torch.Tensor | None = None) -> torch.Tensor:
+    """loss.py's exact expected gradient at theta, the guide's q computed at theta (or given as
+    ``log_q_param``) and held fixed. [P]"""
+    if log_q_param is None:
+        log_q_param = guide_log_q_param(problem, theta, guide)
     kl, kl_estimator = ("forward", "k3") if estimator == "forward" else ("reverse", estimator)
-    return on_policy_gradient(problem.tree, theta, problem.rewards, problem.ref_logps, log_q, beta=beta, kl=kl,
-                              kl_estimator=kl_estimator)
+    return on_policy_gradient(problem.tree, theta, problem.rewards, problem.ref_logps,
+                              problem.tree.per_token(log_q_param), beta=beta, kl=kl, kl_estimator=kl_estimator)
 
 
-def backward_induction(problem: problems.Problem, estimator: str, guided: str, beta: float = BETA,
-                       sweeps: int = 8) -> torch.Tensor:
-    """A start next to the fixed point: every node's per-position closed form, given the reward to
-    go Q(s, a) under the current policy, swept until the deeper nodes (solved first) settle. [P]"""
+def node_residual(problem: problems.Problem, theta: torch.Tensor, estimator: str, guide: str,
+                  log_q_param: torch.Tensor | None = None) -> torch.Tensor:
+    """loss.py's expected gradient divided, entry by entry, by rho(s) pi(a|s), the probability of
+    reaching node s and taking a there. [P]
+
+    The gradient of the logit of child a at node s is rho(s) pi(a|s) (c(s, a) - mean_pi c(s, .))
+    (``toy.backward``), so this is c(s, a)'s deviation from its node's mean: zero exactly where
+    every node is stationary, however rarely it is reached, and of order one where it is not.
+    """
+    tree = problem.tree
+    log_probs = tree.param_log_probs(theta)  # [P]
+    log_reach = torch.zeros(len(tree.nodes), dtype=DTYPE)  # log rho(s)
+    for i, s in enumerate(tree.nodes[1:], start=1):
+        parent = tree.node_id[s[:-1]]
+        child = tree.offsets[parent] + tree.children[parent].index(s[-1])
+        log_reach[i] = log_reach[parent] + log_probs[child]  # nodes are sorted by depth
+    gradient = expected_gradient(problem, theta, estimator, guide, log_q_param=log_q_param)
+    return gradient / (log_reach[tree.node_of_param] + log_probs).exp()
+
+
+def solve(problem: problems.Problem, estimator: str, guide: str, beta: float = BETA) -> torch.Tensor:
+    """The estimator's fixed point [P] by backward induction (``toy.backward``), with the guide's q
+    fixed (none, pi_ref's) or self-consistent (q of the point's own entropies)."""
+    tree, ref, rewards = problem.tree, problem.ref_theta, problem.rewards
+    if guide == "self":
+        theta, _ = backward.self_consistent_fixed_point(tree, ref, rewards, estimator, beta, BRANCH)
+        return theta
+    return backward.fixed_point(tree, ref, rewards, guide_log_q_param(problem, ref, guide), estimator, beta)
+
+
+def rough_start(problem: problems.Problem, estimator: str, guide: str, beta: float = BETA,
+                sweeps: int = 3) -> torch.Tensor:
+    """A start for Newton that is not the answer: a few sweeps of per-node forms over all nodes at
+    once, Q(s, a) the reward to go under the previous sweep, k1 in the return and the forward
+    baseline given the wrong forms (k2's, k3's). [P]"""
     tree = problem.tree
     theta = problem.ref_theta.clone()
-    form = "forward" if estimator in ("k3", "forward") else "reverse"
+    form = "k3" if estimator in ("k3", "forward") else "k2"
     for _ in range(sweeps):
-        per_token = guide_log_q(problem, theta, guided)  # per token; back to per (node, child)
-        log_q = torch.zeros(tree.num_params, dtype=DTYPE).index_put_((tree.param_index.flatten(),), per_token.flatten())
-        theta = per_position_solution(problem.with_log_q(log_q), theta, beta, form).log()
+        anchors = (tree.param_log_probs(problem.ref_theta) + guide_log_q_param(problem, theta, guide)).exp()
+        q_values = tree.action_values(theta, problem.rewards)
+        theta = torch.cat([backward.node_solution(anchors[o : o + len(c)], q_values[o : o + len(c)], beta, form).log()
+                           for o, c in zip(tree.offsets, tree.children)])
     return theta
 
 
@@ -101,47 +136,87 @@ def newton(gradient_fn, theta: torch.Tensor, tolerance: float = 1e-12, max_steps
     return theta, gradient.abs().max().item()
 
 
-GUIDES = ("none", "fixed", "self")
+def newton_point(problem: problems.Problem, estimator: str, guide: str) -> torch.Tensor:
+    """The root Newton's method finds on loss.py's expected gradient from ``rough_start``. [P]"""
+    start = rough_start(problem, estimator, guide)
+    theta, _ = newton(lambda t: expected_gradient(problem, t, estimator, guide), start)
+    return theta
+
+
+def slowest_rate(problem: problems.Problem, theta: torch.Tensor, estimator: str, guide: str) -> float:
+    """The smallest real part of the eigenvalues of d(node_residual)/d theta at a fixed point theta,
+    leaving out one eigenvalue per node (a node's logits all shifted: no change). Positive: the
+    point attracts gradient descent.
+
+    Why the residual and not the gradient: at a fixed point the gradient's Jacobian is D times the
+    residual's, D = diag(rho(s) pi(a|s)) > 0, and is block-triangular over the nodes (a node's
+    condition does not involve its parent) with symmetric diagonal blocks (each the Hessian of a
+    node objective). So both have eigenvalues of the same signs (Sylvester's law of inertia), but
+    the gradient's are as small as rho pi ~ 1e-10 here, below a finite difference's rounding,
+    while the residual's are of order beta.
+    """
+    log_q = guide_log_q_param(problem, theta, guide)  # held fixed, as inside a trainer's step
+
+    def residual(t):
+        return node_residual(problem, t, estimator, guide, log_q_param=log_q)
+
+    jacobian = finite_difference_jacobian(residual, theta, residual(theta), 1e-6)
+    real_parts = torch.linalg.eigvals(jacobian).real.sort().values
+    return real_parts[len(problem.tree.nodes):].min().item()
+
+
+def branch_entropy_over_q(problem: problems.Problem, estimator: str) -> torch.Tensor:
+    """H (Eq. 12) at y2's branching node of the fixed point whose guide puts q there, for every q of
+    Q_GRID (1 elsewhere: the other nodes have two children, H <= ln 2 < tau, so Eq. 11 gives 1). [9]"""
+    tree = problem.tree
+    branch = tree.node_id[(1,)]
+    entropies = []
+    for q in Q_GRID:
+        log_q = torch.where(tree.node_of_param == branch, q.log(), torch.zeros((), dtype=DTYPE))
+        theta = backward.fixed_point(tree, problem.ref_theta, problem.rewards, log_q, estimator, BETA)
+        entropies.append(tree.node_entropies(theta)[branch])
+    return torch.stack(entropies)
 
 
 @dataclass(frozen=True)
 class Row:
     estimator: str
     pi_y2: dict  # guide ("none", "fixed", "self") -> pi(y2) at the estimator's fixed point
-    gradient: dict  # guide -> |expected gradient|_inf at that point
+    gradient: dict  # guide -> |loss.py's expected gradient|_inf at that point
+    theta: dict  # guide -> the point's logits [P]
 
 
-def stationary_pi_y2(problem: problems.Problem, estimator: str, guided: str) -> tuple[float, float, torch.Tensor]:
-    """(pi(y2), |g|_inf, theta) at the fixed point of the estimator's expected gradient."""
-    start = backward_induction(problem, estimator, guided)
-    theta, norm = newton(lambda t: expected_gradient(problem, t, estimator, guided), start)
-    y2 = problem.tree.completions.index((1, 0))
-    return problem.tree.sequence_logps(theta).exp()[y2].item(), norm, theta
+def pi_y2_of(problem: problems.Problem, theta: torch.Tensor) -> float:
+    return problem.tree.sequence_logps(theta).exp()[problem.tree.completions.index((1, 0))].item()
 
 
-def estimator_table() -> list[Row]:
+@functools.lru_cache(maxsize=1)
+def estimator_table() -> tuple[Row, ...]:
     """One row per estimator: pi(y2) at its fixed point with no guide, with the branch guide fixed
-    at pi_ref's entropies, and with the branch guide recomputed from the policy (self-consistent)."""
+    at pi_ref's entropies, and with the branch guide recomputed from the policy (self-consistent),
+    and the size of loss.py's expected gradient at each point."""
     problem, rows = problems.appendix_c_tree(), []
     for estimator in ESTIMATORS:
-        points = {guide: stationary_pi_y2(problem, estimator, guide) for guide in GUIDES}
-        rows.append(Row(estimator, {g: p[0] for g, p in points.items()}, {g: p[1] for g, p in points.items()}))
-    return rows
+        thetas = {guide: solve(problem, estimator, guide) for guide in GUIDES}
+        norms = {g: expected_gradient(problem, t, estimator, g).abs().max().item() for g, t in thetas.items()}
+        rows.append(Row(estimator, {g: pi_y2_of(problem, t) for g, t in thetas.items()}, norms, thetas))
+    return tuple(rows)
 
 
+@functools.lru_cache(maxsize=1)
 def exact_objective_pi_y2() -> dict:
     """pi(y2) of the exact objectives: Eq. 2 without a guide, Eq. 4 with the branch guide fixed at
-    pi_ref's entropies, and Eq. 4 with q recomputed from its own solution's entropies."""
+    pi_ref's entropies, and Eq. 4 with q recomputed from its own solution's entropies (iterated)."""
     problem = problems.appendix_c_tree()
-    y2 = problem.tree.completions.index((1, 0))
+    tree, y2 = problem.tree, problem.tree.completions.index((1, 0))
     pi_rl = exact.eq2_reverse_kl_solution(problem.ref, problem.rewards, BETA)
-    fixed_q = guide_log_q(problem, problem.ref_theta, "fixed").sum(-1).exp()
+    fixed_q = tree.per_token(guide_log_q_param(problem, problem.ref_theta, "fixed")).sum(-1).exp()
     pi_fixed = exact.eq4_sage_solution(problem.ref, fixed_q, problem.rewards, BETA)
     theta = problem.ref_theta
     for _ in range(50):  # Eq. 4 with q from its own entropies, iterated to a fixed point
-        q = guide_log_q(problem, theta, "self").sum(-1).exp()
+        q = tree.per_token(guide_log_q_param(problem, theta, "self")).sum(-1).exp()
         pi_self = exact.eq4_sage_solution(problem.ref, q, problem.rewards, BETA)
-        theta = problem.tree.theta_from_node_probs(node_probs_of(problem.tree, pi_self))
+        theta = tree.theta_from_node_probs(node_probs_of(tree, pi_self))
     return {"none": pi_rl[y2].item(), "fixed": pi_fixed[y2].item(), "self": pi_self[y2].item()}
 
 
@@ -155,12 +230,15 @@ def node_probs_of(tree: exact.TokenTree, pi: torch.Tensor) -> dict[tuple, list[f
     return probs
 
 
-def format_table(rows: list[Row]) -> str:
+def format_table(rows) -> str:
     """The table ``python -m toy --table`` prints."""
+    problem = problems.appendix_c_tree()
     exact_row = exact_objective_pi_y2()
+    branch = problem.tree.node_id[(1,)]
+    fixed_q = guide_log_q_param(problem, problem.ref_theta, "fixed").exp()[problem.tree.node_of_param == branch][0]
     lines = [f"App. C tree, beta = {BETA}, delta = {DELTA}: pi(y2) where loss.py's expected gradient vanishes",
-             "guides: none | branch with q fixed at pi_ref's entropies (Theorem 4.3's q) | branch recomputed "
-             "from the policy (self-consistent)",
+             f"guides: none | branch, q fixed at pi_ref's entropies (Theorem 4.3's q; {fixed_q:.4f} at y2's "
+             "branching node) | branch recomputed from the policy (self-consistent)",
              f"{'estimator':<13}{'none':>9}{'fixed q':>9}{'self q':>9}   {'|g| at each point':<27}in supp_delta"]
     for row in rows:
         values = "".join(f"{row.pi_y2[g]:>9.5f}" for g in GUIDES)
@@ -170,4 +248,9 @@ def format_table(rows: list[Row]) -> str:
     values = "".join(f"{exact_row[g]:>9.5f}" for g in GUIDES)
     inside = " / ".join("yes" if exact_row[g] >= DELTA else "no" for g in GUIDES)
     lines.append(f"{'Eq. 2 / 4':<13}{values}   {'(closed forms)':<27}{inside}")
+    entropies = ", ".join(f"{row.estimator} {problem.tree.node_entropies(row.theta['self'])[branch]:.3f}"
+                          for row in rows)
+    lines.append(f"self q: entropy of y2's branching node at each point ({entropies}) < tau = {BRANCH.tau}, so q = 1")
+    lines.append("solver: backward induction over the tree (per-node conditions, float64); |g|: infinity norm of "
+                 "loss.py's exact expected gradient there")
     return "\n".join(lines)

@@ -1,0 +1,185 @@
+"""Each estimator's fixed point on a token tree by backward induction, derived by hand (no loss.py).
+
+``toy.table``'s solver: instead of searching for a root of loss.py's expected gradient, solve the
+stationarity condition of every node from the leaves up, in float64, with formulas derived on
+paper. Nothing here calls loss.py, so ``toy.checks`` can then hold loss.py to them: its expected
+gradient must vanish at these points, node by node, and Newton's method on it must land on them.
+
+The derivation. On-policy (every ratio 1) with a constant baseline, loss.py's expected gradient
+with respect to the logit of child j at node s is, for completions of one length L (so that the
+grpo aggregation's per-sequence token mean is a common factor 1/L; the App. C tree's are all 2):
+
+    (rho(s) / L) pi(j|s) (c(s, j) - sum_a pi(a|s) c(s, a)),
+    c(s, a) = -Q(s, a) + beta * d penalty / d log pi(a|s),
+
+where rho(s) is the probability of reaching s. A per-token penalty depends on its own log-prob
+only, so its gradient is pathwise and Q(s, a) = E[r | s, a] is the reward to go: the later
+tokens' penalties do not enter. With u = p~(a|s) / pi(a|s), p~(a|s) = pi_ref(a|s) q(s, a):
+
+    k2, ratio_k3   d/dlog pi (log u)^2 / 2 = -log u  ->  Q + beta log u = lambda_s,
+                   pi(a|s) ∝ p~(a|s) exp(Q(s, a) / beta)              (Eq. 4 at one position)
+    k3             d/dlog pi (u - 1 - log u) = 1 - u ->  Q + beta u = lambda_s,
+                   pi(a|s) = beta p~(a|s) / (lambda_s - Q(s, a))      (Eq. 27's form)
+    forward        d/dlog pi (u log u - u + 1) = -u log u  ->  Q + beta u log u = lambda_s
+
+Wherever rho(s) > 0 the gradient vanishes iff every c(s, a) at s is equal, so the fixed point is
+the per-node solution, node by node, each using the Q of the already solved nodes below it.
+With k1 in the return the advantage carries the later tokens' KL and the fixed point is Eq. 4
+itself (any lengths); its conditionals come from the soft values
+V(s) = beta log sum_a p~(a|s) exp(V(s a) / beta), V(leaf) = r.
+
+Stability. At a root, v . J v = (rho(s) / L) sum_a pi(a|s) d_a w_a^2 for the node's block J of the
+gradient's Jacobian, w = v - E_pi[v] and d_a = pi(a|s) dc(s, a)/dpi(a|s): beta for k2, beta u for
+k3, beta u (1 + log u) for the forward penalty. The root attracts gradient descent iff that form
+is positive for every w != 0 with E_pi[w] = 0: always for k2 and k3 (their node solutions are
+unique attractors); for the forward penalty, whose condition has two branches of u (u log u is
+not monotone), iff at most one child sits on the lower branch u < 1/e and then
+sum_a pi(a|s) / (u_a (1 + log u_a)) < 0 (a bordered-Hessian test). ``forward_node`` enumerates the
+branches, keeps the attractors and raises unless there is exactly one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import guides
+from toy import exact
+from toy.exact import DTYPE, TokenTree
+
+INVERSE_E = math.exp(-1.0)
+
+
+def inverse_u_log_u(c: torch.Tensor, lower: bool) -> torch.Tensor:
+    """u with u log u = c on one branch: upper (u >= 1/e, any c >= -1/e) or lower (u <= 1/e, -1/e <= c < 0).
+
+    Bisection on log u (u log u is monotone on each branch), elementwise, to the last bit.
+
+    >>> c = torch.tensor([-0.2, 0.0, 2.0], dtype=DTYPE)
+    >>> u = inverse_u_log_u(c, lower=False)
+    >>> torch.allclose(u * u.log(), c, atol=1e-15), bool((u >= 1 / math.e).all())
+    (True, True)
+    """
+    low = torch.full_like(c, -745.0 if lower else -1.0)  # log u
+    high = torch.full_like(c, -1.0 if lower else 60.0)
+    for _ in range(72):
+        middle = 0.5 * (low + high)
+        # True where the root lies above middle (upper: u log u increases with u; lower: it decreases)
+        go_up = (middle.exp() * middle < c) != lower
+        low, high = torch.where(go_up, middle, low), torch.where(go_up, high, middle)
+    return (0.5 * (low + high)).exp()
+
+
+def forward_node_probs(anchor: torch.Tensor, q_values: torch.Tensor, beta: float, lams: torch.Tensor,
+                       lower_child: int | None) -> torch.Tensor:
+    """[L, n]: pi(a|s) = p~(a|s) / u_a with Q + beta u log u = lambda for each lambda of ``lams`` [L],
+    every u on the upper branch but child ``lower_child``'s, on the lower one."""
+    c = ((lams[:, None] - q_values[None, :]) / beta).clamp_min(-INVERSE_E)  # [L, n]
+    u = inverse_u_log_u(c, lower=False)
+    if lower_child is not None:
+        u[:, lower_child] = inverse_u_log_u(c[:, lower_child], lower=True)
+    return anchor / u
+
+
+def forward_roots(anchor, q_values, beta, low, high, lower_child, grid=64, rounds=9) -> list[torch.Tensor]:
+    """Every root in [low, high] of sum_a pi(a|s; lambda) - 1 for one branch assignment: sign changes
+    on a grid of lambda, each bracket refined by re-gridding it (64^9 ~ 2^54: to the last bit)."""
+    def excess(lams):
+        return forward_node_probs(anchor, q_values, beta, lams, lower_child).sum(dim=1) - 1.0
+
+    lams = torch.linspace(low, high, grid + 1, dtype=DTYPE)
+    values = excess(lams)
+    roots = []
+    for i in torch.nonzero(values[:-1] * values[1:] <= 0).flatten().tolist():
+        a, b = lams[i].item(), lams[i + 1].item()
+        for _ in range(rounds):
+            sub = torch.linspace(a, b, grid + 1, dtype=DTYPE)
+            sub_values = excess(sub)
+            j = torch.nonzero(sub_values[:-1] * sub_values[1:] <= 0).flatten()[0].item()
+            a, b = sub[j].item(), sub[j + 1].item()
+        roots.append(forward_node_probs(anchor, q_values, beta, torch.tensor([0.5 * (a + b)], dtype=DTYPE),
+                                        lower_child)[0])
+    return roots
+
+
+def forward_node(anchor: torch.Tensor, q_values: torch.Tensor, beta: float) -> torch.Tensor:
+    """The one attracting root of Q + beta u log u = lambda, sum pi = 1 at a node (see the module's
+    docstring): for every branch assignment (all upper, or one child lower), the roots in lambda,
+    kept if they pass the stability test; raises unless exactly one is left."""
+    top = q_values.max().item()
+    lam_min = top - beta * INVERSE_E  # below it some u log u < -1/e: no solution
+    lam_max = top + beta
+    while forward_node_probs(anchor, q_values, beta, torch.tensor([lam_max], dtype=DTYPE), None).sum() > 1.0:
+        lam_max = top + 2 * (lam_max - top)  # sum pi falls to 0 as lambda grows on the upper branch
+    attractors = []
+    for lower_child in [None, *range(len(anchor))]:
+        # the lower branch needs c < 0 (at c = 0 its u is 0 and its pi infinite)
+        high = lam_max if lower_child is None else q_values[lower_child].item() - 1e-9 * beta
+        if high <= lam_min:
+            continue
+        for pi in forward_roots(anchor, q_values, beta, lam_min, high, lower_child):
+            u = anchor / pi
+            lower = u < INVERSE_E
+            stable = lower.sum() == 0 or (lower.sum() == 1 and (pi / (u * (1 + u.log()))).sum() < 0)
+            if stable and abs(pi.sum().item() - 1.0) < 1e-12:
+                attractors.append(pi / pi.sum())
+    distinct = [p for i, p in enumerate(attractors) if all((p - o).abs().max() > 1e-9 for o in attractors[:i])]
+    if len(distinct) != 1:
+        raise ValueError(f"the forward penalty has {len(distinct)} attracting roots at this node, not one")
+    return distinct[0]
+
+
+def node_solution(anchor: torch.Tensor, q_values: torch.Tensor, beta: float, estimator: str) -> torch.Tensor:
+    """pi(a|s) solving a per-token estimator's node condition, given p~(a|s) (unnormalized) and Q(s, a)."""
+    if estimator in ("k2", "ratio_k3"):
+        return torch.softmax(anchor.log() + q_values / beta, dim=0)
+    if estimator == "k3":
+        return exact.eq27_forward_kl_solution(anchor, q_values, beta)
+    if estimator == "forward":
+        return forward_node(anchor, q_values, beta)
+    raise ValueError(f"no per-token node condition for {estimator!r}")
+
+
+def fixed_point(tree: TokenTree, ref_theta: torch.Tensor, rewards: torch.Tensor, log_q_param: torch.Tensor,
+                estimator: str, beta: float) -> torch.Tensor:
+    """Logits [P] of the estimator's fixed point, solved from the deepest nodes up (q fixed)."""
+    if estimator != "k1_return" and len(set(tree.lengths.tolist())) > 1:
+        raise ValueError("per-token node conditions need completions of one length (see the module's docstring)")
+    anchors = (tree.param_log_probs(ref_theta) + log_q_param).exp()  # [P] p~(a|s)
+    leaf_value = dict(zip(tree.completions, rewards.tolist()))
+    value = {}  # V(s): reward to go (per-token estimators) or soft value (k1_return)
+    theta = torch.empty(tree.num_params, dtype=DTYPE)
+    for i in sorted(range(len(tree.nodes)), key=lambda i: -len(tree.nodes[i])):
+        s, children, offset = tree.nodes[i], tree.children[i], tree.offsets[i]
+        node = slice(offset, offset + len(children))
+        q_values = torch.tensor([leaf_value.get(s + (a,), value.get(s + (a,))) for a in children], dtype=DTYPE)
+        if estimator == "k1_return":
+            logits = anchors[node].log() + q_values / beta
+            probs = torch.softmax(logits, dim=0)
+            value[s] = beta * torch.logsumexp(logits, dim=0).item()
+        else:
+            probs = node_solution(anchors[node], q_values, beta, estimator)
+            value[s] = (probs * q_values).sum().item()
+        theta[node] = probs.log()
+    return theta
+
+
+def branch_log_q_param(tree: TokenTree, theta: torch.Tensor, config: guides.GuideConfig) -> torch.Tensor:
+    """Eq. 11 per (node, child) [P]: log clamp(1 + ratio max(0, H(s) - tau)), H (Eq. 12) of pi_theta at s."""
+    node_q = (1.0 + config.ratio * (tree.node_entropies(theta) - config.tau).clamp_min(0.0))
+    return node_q.clamp(config.q_min, config.q_max).log()[tree.node_of_param]
+
+
+def self_consistent_fixed_point(tree: TokenTree, ref_theta: torch.Tensor, rewards: torch.Tensor, estimator: str,
+                                beta: float, config: guides.GuideConfig, iterations: int = 100):
+    """The fixed point whose guide is Eq. 11 on its own entropies: iterate q -> fixed point -> q,
+    from the guide of pi_ref. Returns (theta [P], log q [P]); raises if q does not settle."""
+    log_q = branch_log_q_param(tree, ref_theta, config)
+    for _ in range(iterations):
+        theta = fixed_point(tree, ref_theta, rewards, log_q, estimator, beta)
+        new_log_q = branch_log_q_param(tree, theta, config)
+        if (new_log_q - log_q).abs().max() <= 1e-15:
+            return theta, log_q
+        log_q = new_log_q
+    raise ValueError(f"the self-consistent guide did not settle for {estimator!r}")
