@@ -31,7 +31,8 @@ REQUIRED_ROWS = {
           "per_token_penalties_put_y2_in_supp_delta_without_a_guide", "table_gradient_norms_at_reported_points",
           "self_consistent_branch_guide_is_inactive_at_every_fixed_point", "table_points_are_stationary_at_every_node",
           "newton_on_policy_loss_finds_the_backward_induction_points", "table_points_attract_gradient_descent",
-          "self_consistent_branch_guide_is_unique"],
+          "self_consistent_branch_guide_is_unique", "group_advantages_move_the_table_to_beta_over_delta",
+          "group_advantages_k3_and_forward_fixed_branch_guide_lowers_y2"],
     "e": ["k3_expectation_equals_kl_plus_offset", "bnpo_alpha_beta_3_2_proportional_to_grpo_std"],
 }
 
@@ -118,3 +119,21 @@ def test_the_estimator_table_orderings():
         assert pi[name]["self"] == pytest.approx(pi[name]["none"], abs=1e-12)
     # Every per-token penalty: y2 above delta with no guide at all; ordered k2 = ratio_k3 > k3 > forward.
     assert delta < pi["forward"]["none"] < pi["k3"]["none"] < pi["k2"]["none"]
+
+
+def test_the_orderings_survive_a_groups_advantage():
+    """Dr. GRPO's group mean and GRPO's std (G = 8) move the per-token points (beta / Delta_G), not the orderings."""
+    from toy import table
+
+    for advantage, rows in table.advantage_table().items():
+        betas = {beta for row in rows.values() for beta, _ in row.values()}
+        if advantage == "dr_grpo":
+            assert all(beta == pytest.approx(table.BETA * 8 / 7, rel=1e-12) for beta in betas)
+        else:  # GRPO's std: Delta_8(p) ~ 2.47 at these success rates near 1
+            assert all(0.020 < beta < 0.021 for beta in betas)
+        pi = {estimator: {guide: pi_y2 for guide, (_, pi_y2) in row.items()} for estimator, row in rows.items()}
+        for name in ("k2", "ratio_k3"):
+            assert pi[name]["fixed"] == pytest.approx(pi[name]["none"], abs=1e-12)
+        for name in ("k3", "forward"):
+            assert pi[name]["fixed"] < pi[name]["none"] - 1e-3
+        assert table.DELTA < min(row["none"] for row in pi.values())

@@ -27,7 +27,9 @@ d. The fixed points of ``loss.policy_loss`` with each estimator, found by iterat
    penalty but not of k1 in the return, whether the forward-KL baseline reaches Eq. 27, and
    Theorem 4.3 under each estimator (``python -m toy --table``, toy/table.py, docs/fixed-points.md):
    fixed points found by backward induction over the tree (``toy.backward``), then held to
-   loss.py's expected gradient node by node, to Newton's method on it, and to a stability test.
+   loss.py's expected gradient node by node, to Newton's method on it, and to a stability test;
+   and how a group's advantage (Dr. GRPO's mean, GRPO's std) moves those points without changing
+   their orderings, held to loss.py's gradient with every group enumerated.
 e. The value of k3 (E[k3] = KL + Z - 1 - log Z, the offset policy_loss logs) and BNPO with
    alpha = beta = 3/2 being GRPO's std up to a constant.
 

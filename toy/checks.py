@@ -23,7 +23,8 @@ import guides
 import loss
 from toy import exact, problems, table
 from toy.exact import DTYPE, maximize
-from toy.fixed_points import find_fixed_point, group_gradient, on_policy_gradient, per_position_solution
+from toy.fixed_points import (find_fixed_point, group_gradient, advantage_reward_scale, on_policy_gradient,
+                               per_position_solution)
 
 BETA = 0.5  # KL coefficient of the toy problems (the paper's 0.05 only in the App. C example)
 FIXED_POINT_TOLERANCE = 1e-6  # find_fixed_point stops near 1e-9 on the small problems; GRPO advantages are float32
@@ -395,6 +396,52 @@ def check_table_solver() -> list[Result]:
 
 
 @check
+def check_table_under_group_advantages() -> list[Result]:
+    """The table's advantage is RLOO's in expectation; a group's own mean or std moves the points.
+
+    (1) With Dr. GRPO's group mean or GRPO's std, loss.py's exact expected gradient (every group
+    of G = 4 completions enumerated, ``table.group_residual``) vanishes node by node at the
+    table's point for beta / Delta_G(p*) (``table.advantage_point``), for k2, k3 and the forward
+    baseline, no guide and the fixed branch guide; (2) it does not vanish at the table's own
+    point. ratio_k3 is left out of (1): its gradient is k2's (``check_estimator_gradients``), but
+    its k3 value cancels u - 1 ~ 1e13 at the wrong tokens there, a float64 residual of ~1e-5.
+    (3) At the paper's G = 8, under both normalizations, the table's orderings still hold: k2 and
+    ratio_k3 ignore the fixed branch guide, k3 and the forward baseline are lowered by it, and
+    every per-token penalty puts y2 above delta without a guide.
+    """
+    problem, group_size = problems.appendix_c_tree(), 4
+    at_points, at_table = [], []
+    for advantage in ("dr_grpo", "grpo"):
+        for estimator in ("k2", "k3", "forward"):
+            for guide in ("none", "fixed"):
+                _, theta = table.advantage_point(problem, estimator, guide, advantage, group_size)
+                at_points.append(table.group_residual(problem, theta, estimator, guide, advantage, group_size))
+                table_theta = next(r for r in table.estimator_table() if r.estimator == estimator).theta[guide]
+                at_table.append(table.group_residual(problem, table_theta, estimator, guide, advantage, group_size))
+    pi = {(adv, est): {g: pi_y2 for g, (_, pi_y2) in row.items()}
+          for adv, rows in table.advantage_table().items() for est, row in rows.items()}
+    return [
+        equal("group_advantages_move_the_table_to_beta_over_delta", "d",
+              "max |group expected gradient / (rho pi)|, Dr. GRPO and GRPO std, G = 4, at beta / Delta_G(p*)",
+              max(r.abs().max().item() for r in at_points), 0.0, 1e-8),
+        exceeds("group_advantages_table_points_are_not_stationary", "d",
+                "min over the same 12 cases of max |group expected gradient / (rho pi)| at the table's point",
+                min(r.abs().max().item() for r in at_table), 0.01),
+        equal("group_advantages_k2_and_ratio_k3_ignore_the_branch_guide", "d",
+              "pi(y2) with the fixed branch guide vs without, k2 and ratio_k3, G = 8, mean and std",
+              [pi[key]["fixed"] for key in pi if key[1] in ("k2", "ratio_k3")],
+              [pi[key]["none"] for key in pi if key[1] in ("k2", "ratio_k3")], 1e-9),
+        exceeds("group_advantages_k3_and_forward_fixed_branch_guide_lowers_y2", "d",
+                "min over k3, forward, G = 8 mean and std of pi(y2) without - with the fixed branch guide",
+                min(pi[key]["none"] - pi[key]["fixed"] for key in pi if key[1] in ("k3", "forward")),
+                SEPARATION_MARGIN),
+        exceeds("group_advantages_per_token_penalties_put_y2_in_supp_delta_without_a_guide", "d",
+                "min over the per-token penalties, G = 8 mean and std, of pi(y2) - delta, no guide",
+                min(row["none"] for row in pi.values()) - table.DELTA),
+    ]
+
+
+@check
 def check_one_token_fixed_points() -> list[Result]:
     """Single-token completions (App. E.5's estimators): k2 in the loss, k1 in the return and ratio_k3
     reach Eq. 4; k3 in the loss reaches beta p~ / (lambda - r), the form of Eq. 27 with the
@@ -540,22 +587,6 @@ def check_unequal_lengths() -> list[Result]:
     return rows
 
 
-def grpo_reward_scale(success_probability: float, group_size: int) -> float:
-    """Delta_G(p) = E[A | r = 1] - E[A | r = 0] of loss.grpo_advantages, binary rewards.
-
-    The other G - 1 rewards of the group are Bernoulli(p); with them independent of the sample,
-    E[A_i grad log pi(y_i)] = Delta_G(p) E[r grad log pi]: GRPO's std rescales the reward.
-    """
-    scale = 0.0
-    for reward, sign in ((1.0, 1.0), (0.0, -1.0)):
-        for successes in range(group_size):
-            group = torch.tensor([reward] + [1.0] * successes + [0.0] * (group_size - 1 - successes))
-            weight = math.comb(group_size - 1, successes) * success_probability**successes
-            weight *= (1.0 - success_probability) ** (group_size - 1 - successes)
-            scale += sign * weight * loss.grpo_advantages(group, group_size)[0].item()
-    return scale
-
-
 @check
 def check_advantage_scaling() -> list[Result]:
     """Advantage normalization moves the fixed point of an in-loss penalty.
@@ -584,7 +615,7 @@ def check_advantage_scaling() -> list[Result]:
 
     pi_rloo, pi_dr_grpo = fixed_point("rloo", "k2"), fixed_point("dr_grpo", "k2")
     pi_grpo, pi_dr_grpo_k1 = fixed_point("grpo", "k2"), fixed_point("dr_grpo", "k1_return")
-    scale = grpo_reward_scale((pi_grpo * p.rewards).sum().item(), group_size)
+    scale = advantage_reward_scale((pi_grpo * p.rewards).sum().item(), group_size, "grpo")
     tol = FIXED_POINT_TOLERANCE
     return [
         equal("rloo_advantage_k2_reaches_eq4", "d", "fixed point (RLOO, k2, G = 8) vs Eq. 4",

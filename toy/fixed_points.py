@@ -102,9 +102,11 @@ def on_policy_gradient(
 
     R is the reward r(y), or with ``kl_estimator="k1_return"`` the KL-shaped return
     r(y) - beta * sum_t (log pi_t - log p~_t) of ``loss.kl_shaped_rewards``. The baseline
-    E_pi[R] is what a group-mean or leave-one-out baseline is in expectation; being a constant,
-    it changes no expected gradient. No std normalization: that rescales the reward and moves
-    the fixed point (see ``group_gradient``).
+    E_pi[R] is a constant, so it changes no expected gradient: this is the expected gradient of
+    a leave-one-out (RLOO) baseline, whose other samples are independent of y. It is *not* that
+    of a group mean that includes y (Dr. GRPO) or of GRPO's std normalization: both rescale the
+    reward (``advantage_reward_scale``) and move the fixed point of an in-loss penalty (see
+    ``group_gradient``).
     """
     with torch.no_grad():
         token_logps = tree.token_logps(theta)  # [B, T]
@@ -160,6 +162,24 @@ def group_gradient(
         tree, theta, rows, row_weights, advantages, ref_logps, log_q,
         beta=beta, kl=kl, kl_estimator=kl_estimator, aggregation="grpo",
     )
+
+
+def advantage_reward_scale(success_probability: float, group_size: int, advantage: str = "grpo") -> float:
+    """Delta_G(p) = E[A | r = 1] - E[A | r = 0] of ``loss.compute_advantages``, binary rewards.
+
+    The other G - 1 rewards of the group are Bernoulli(p); with them independent of the sample,
+    E[A_i grad log pi(y_i)] = Delta_G(p) E[r grad log pi]: a group's advantage rescales the reward.
+    RLOO gives 1, Dr. GRPO's mean (which includes the sample) (G - 1) / G, GRPO's std a Delta_G
+    that depends on p (about 1.7 at p = 0.5, 2.47 as p -> 1, for G = 8).
+    """
+    scale = 0.0
+    for reward, sign in ((1.0, 1.0), (0.0, -1.0)):
+        for successes in range(group_size):
+            group = torch.tensor([reward] + [1.0] * successes + [0.0] * (group_size - 1 - successes))
+            weight = math.comb(group_size - 1, successes) * success_probability**successes
+            weight *= (1.0 - success_probability) ** (group_size - 1 - successes)
+            scale += sign * weight * loss.compute_advantages(group, group_size, advantage)[0].item()
+    return scale
 
 
 def finite_difference_jacobian(gradient_fn, theta: torch.Tensor, gradient: torch.Tensor, step: float):

@@ -11,9 +11,14 @@ Definitions, so the numbers mean one thing:
 
 * The expected gradient is ``fixed_points.on_policy_gradient``: the exact expectation over the
   tree's completions of the gradient of ``loss.policy_loss`` (on-policy, every ratio 1), with the
-  advantage A = R - E_pi[R]. A constant baseline moves no expected gradient, so this is the fixed
-  point of a group-mean or leave-one-out baseline too; GRPO's std normalization would rescale the
-  reward and move it (``fixed_points.group_gradient``).
+  advantage A = R - E_pi[R]. A constant baseline moves no expected gradient, and a leave-one-out
+  baseline (RLOO) is that constant in expectation, so this is RLOO's fixed point too. A group's
+  own mean (Dr. GRPO) or std (GRPO) is not: it multiplies the reward by Delta_G(p)
+  (``fixed_points.advantage_reward_scale``: (G - 1) / G, or about 2.47 near p = 1 for G = 8),
+  which moves every in-loss penalty's point to the table's point at beta / Delta_G(p*) and leaves
+  k1 in the return where it is (its whole return is scaled). ``advantage_point`` solves that,
+  ``advantage_table`` reports pi(y2) there, and ``toy.checks`` holds loss.py's exact group
+  gradient (every group of G = 4 enumerated) to it.
 * The guide is self-consistent: the trainer recomputes q from the current policy's entropies at
   every step and holds it fixed inside the step, so at its fixed point theta*, q = q(theta*) and
   the gradient with that q held fixed is 0. Here q(theta) is Eq. 11 on the node entropies (Eq. 12)
@@ -42,11 +47,13 @@ import torch
 import guides
 from toy import backward, exact, problems
 from toy.exact import DTYPE
-from toy.fixed_points import finite_difference_jacobian, on_policy_gradient
+from toy.fixed_points import advantage_reward_scale, finite_difference_jacobian, group_gradient, on_policy_gradient
 
 BETA, DELTA = 0.05, 0.01
 ESTIMATORS = ("k1_return", "k2", "k3", "ratio_k3", "forward")
 GUIDES = ("none", "fixed", "self")
+PER_TOKEN = ("k2", "k3", "ratio_k3", "forward")  # the estimators whose point a group's advantage moves
+GROUP_SIZE = 8  # rollouts per prompt (the paper's G)
 BRANCH = guides.GuideConfig(name="branch")  # Eq. 11 with the paper's defaults
 Q_GRID = torch.linspace(1.0, BRANCH.q_max, 9, dtype=DTYPE)  # every q Eq. 11 can give (>= 1, clamped)
 
@@ -79,15 +86,30 @@ def node_residual(problem: problems.Problem, theta: torch.Tensor, estimator: str
     (``toy.backward``), so this is c(s, a)'s deviation from its node's mean: zero exactly where
     every node is stationary, however rarely it is reached, and of order one where it is not.
     """
-    tree = problem.tree
+    gradient = expected_gradient(problem, theta, estimator, guide, log_q_param=log_q_param)
+    return gradient / visit_probabilities(problem.tree, theta)
+
+
+def visit_probabilities(tree: exact.TokenTree, theta: torch.Tensor) -> torch.Tensor:
+    """rho(s) pi(a|s) for every (node s, child a): the probability of taking a at s. [P]"""
     log_probs = tree.param_log_probs(theta)  # [P]
     log_reach = torch.zeros(len(tree.nodes), dtype=DTYPE)  # log rho(s)
     for i, s in enumerate(tree.nodes[1:], start=1):
         parent = tree.node_id[s[:-1]]
         child = tree.offsets[parent] + tree.children[parent].index(s[-1])
         log_reach[i] = log_reach[parent] + log_probs[child]  # nodes are sorted by depth
-    gradient = expected_gradient(problem, theta, estimator, guide, log_q_param=log_q_param)
-    return gradient / (log_reach[tree.node_of_param] + log_probs).exp()
+    return (log_reach[tree.node_of_param] + log_probs).exp()
+
+
+def group_residual(problem: problems.Problem, theta: torch.Tensor, estimator: str, guide: str, advantage: str,
+                   group_size: int, beta: float = BETA) -> torch.Tensor:
+    """``node_residual`` of loss.py's exact expected gradient with a group's advantage
+    (``fixed_points.group_gradient``: every group of ``group_size`` completions enumerated). [P]"""
+    kl, kl_estimator = ("forward", "k3") if estimator == "forward" else ("reverse", estimator)
+    log_q = problem.tree.per_token(guide_log_q_param(problem, theta, guide))
+    gradient = group_gradient(problem.tree, theta, problem.rewards, problem.ref_logps, log_q, group_size, advantage,
+                              beta=beta, kl=kl, kl_estimator=kl_estimator)
+    return gradient / visit_probabilities(problem.tree, theta)
 
 
 def solve(problem: problems.Problem, estimator: str, guide: str, beta: float = BETA) -> torch.Tensor:
@@ -188,6 +210,41 @@ class Row:
 
 def pi_y2_of(problem: problems.Problem, theta: torch.Tensor) -> float:
     return problem.tree.sequence_logps(theta).exp()[problem.tree.completions.index((1, 0))].item()
+
+
+def success_rate(problem: problems.Problem, theta: torch.Tensor) -> float:
+    """p = E_pi[r], the success rate a group's advantage depends on."""
+    return (problem.tree.sequence_logps(theta).exp() * problem.rewards).sum().item()
+
+
+def advantage_point(problem: problems.Problem, estimator: str, guide: str, advantage: str,
+                    group_size: int = GROUP_SIZE, iterations: int = 50) -> tuple[float, torch.Tensor]:
+    """A per-token estimator's fixed point under a group's advantage: the table's point at
+    beta' = BETA / Delta_G(p), p the success rate at that point itself (iterated; Dr. GRPO's
+    Delta does not depend on p). Returns (beta', theta [P])."""
+    beta = BETA
+    for _ in range(iterations):
+        theta = solve(problem, estimator, guide, beta)
+        new_beta = BETA / advantage_reward_scale(success_rate(problem, theta), group_size, advantage)
+        if abs(new_beta - beta) <= 1e-13:  # each pass shrinks the change ~400-fold here
+            return beta, theta
+        beta = new_beta
+    raise ValueError(f"beta / Delta_G(p) did not settle for {estimator!r} with the {advantage} advantage")
+
+
+@functools.lru_cache(maxsize=1)
+def advantage_table() -> dict:
+    """pi(y2) of the per-token estimators under the paper's G = 8 groups: {advantage: {estimator:
+    {guide: (beta', pi(y2))}}} for Dr. GRPO's group mean and GRPO's std, no guide and the branch
+    guide fixed at pi_ref's entropies (k1 in the return is not moved)."""
+    problem = problems.appendix_c_tree()
+    result = {}
+    for advantage in ("dr_grpo", "grpo"):
+        result[advantage] = {}
+        for estimator in PER_TOKEN:
+            points = {guide: advantage_point(problem, estimator, guide, advantage) for guide in ("none", "fixed")}
+            result[advantage][estimator] = {g: (beta, pi_y2_of(problem, t)) for g, (beta, t) in points.items()}
+    return result
 
 
 @functools.lru_cache(maxsize=1)
