@@ -33,14 +33,16 @@ procedure, as the authors' code runs it (its "sage" method, the on-policy one):
    again from 1 at every step.
 
 Where this differs from the authors' code: their hint replies are decoded greedily (their
-evaluation sampling), here sampled at ``--eval-temperature`` / ``--eval-top-p``; a reply that is not
-JSON but plain text is taken as a single level-1 hint rather than asked for again (small models,
-the CPU demo's, rarely write JSON); the hinted prompt keeps the task's own system prompt, as theirs
-keeps their RL system prompt. Their verl trainer also balances the batch across GPUs before the
-rewards are computed, after which it addresses groups by position; here groups are always the G
-consecutive rows of a prompt. With DAPO's dynamic sampling, hints apply to a step's first round.
-Composition with anchor shaping is direct: the guide q and the KL anchor act on whatever rollouts
-the batch holds, hinted or not, each on its own context.
+evaluation sampling), here sampled at ``--eval-temperature`` / ``--eval-top-p``; a reply that is
+not JSON but plain text is taken as a single level-1 hint rather than asked for again (small
+models, the CPU demo's, rarely write JSON); a reply cut short keeps its complete levels, and LaTeX
+written with single backslashes inside the JSON strings keeps them (their lenient JSON5 parser
+drops the backslash of "\\sqrt" and turns "\\frac" into a form feed); the hinted prompt keeps the
+task's own system prompt, as theirs keeps their RL system prompt. Their verl trainer also balances
+the batch across GPUs before the rewards are computed, after which it addresses groups by position;
+here groups are always the G consecutive rows of a prompt. With DAPO's dynamic sampling, hints
+apply to a step's first round. Composition with anchor shaping is direct: the guide q and the KL
+anchor act on whatever rollouts the batch holds, hinted or not, each on its own context.
 """
 
 from __future__ import annotations
@@ -72,27 +74,63 @@ def hint_request_messages(problem: str, solution: str) -> list[dict[str, str]]:
             {"role": "user", "content": f"Question:\n{problem}\n\nSolution:\n{solution}"}]
 
 
+# A hint's LaTeX is often written with single backslashes inside the JSON strings: "\sqrt" is then
+# no JSON escape (json.loads fails) and "\frac", "\theta", "\beta", "\rho" decode to control
+# characters. Both are undone here; "\n" stays a newline (it is one far more often than "\nu").
+_ESCAPE_OR_BACKSLASH = re.compile(r'\\(["\\/bfnrt]|u[0-9a-fA-F]{4})?')
+_LATEX_CONTROL = re.compile(r"[\f\b\t\r](?=[A-Za-z])")
+_FENCED = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL | re.IGNORECASE)
+_FIELD = re.compile(r'"(level_[123])"\s*:\s*"((?:[^"\\]|\\.)*)"', re.DOTALL)
+
+
+def _json_loads(text: str):
+    """json.loads (raw line breaks allowed in strings), retried with every backslash that starts no
+    JSON escape doubled; None if neither parses."""
+    repaired = _ESCAPE_OR_BACKSLASH.sub(lambda m: m.group() if m.group(1) else "\\\\", text)
+    for attempt in (text, repaired):
+        try:
+            return json.loads(attempt, strict=False)
+        except json.JSONDecodeError:
+            continue
+    return None
+
+
+def _clean_level(value) -> str:
+    """A level's text: strings only (as the authors), LaTeX's backslashes back, cut at MAX_HINT_CHARS."""
+    if not isinstance(value, str):
+        return ""
+    text = _LATEX_CONTROL.sub(lambda m: {"\f": "\\f", "\b": "\\b", "\t": "\\t", "\r": "\\r"}[m.group()], value)
+    return text.strip()[:MAX_HINT_CHARS]
+
+
 def parse_hint_levels(reply: str) -> dict[str, str]:
-    """The hints of a reply: the JSON object's levels (in a code fence or after some text), else
-    the whole reply as one level-1 hint; {} for an empty reply. Each hint is cut at MAX_HINT_CHARS.
+    """The hints of a reply (step 2), read like the authors' parser: the JSON object in a fenced block,
+    else from its first "{" to its last "}", after any "</think>"; a reply whose object does not
+    parse keeps every complete "level_k": "..." field; a reply with no such field is taken whole as
+    one level-1 hint; {} for an empty reply. Each hint is cut at MAX_HINT_CHARS.
 
     >>> parse_hint_levels('Sure. ```json {"level_1": "Think of carries.", "level_2": "7+5 > 9"} ```')
     {'level_1': 'Think of carries.', 'level_2': '7+5 > 9'}
+    >>> parse_hint_levels(r'{"level_1": "Use \\sqrt{x} and \\frac{1}{2}."}')["level_1"]
+    'Use \\\\sqrt{x} and \\\\frac{1}{2}.'
+    >>> parse_hint_levels('{"level_1": "Halve it.", "level_2": "Then add')  # cut by the token budget
+    {'level_1': 'Halve it.'}
     >>> parse_hint_levels("  add the units first ")
     {'level_1': 'add the units first'}
     """
     text = reply.strip()
-    start, end = text.find("{"), text.rfind("}")
-    if start != -1 and end > start:
-        try:
-            payload = json.loads(text[start : end + 1])
-        except json.JSONDecodeError:
-            payload = None
+    if "</think>" in text:
+        text = text.rsplit("</think>", 1)[1].strip()
+    for candidate in [*_FENCED.findall(text), text]:
+        start, end = candidate.find("{"), candidate.rfind("}")
+        payload = _json_loads(candidate[start : end + 1]) if start != -1 and end > start else None
         if isinstance(payload, dict):
-            levels = {key: str(payload[key]).strip()[:MAX_HINT_CHARS] for key in LEVELS
-                      if key in payload and str(payload[key]).strip()}
-            if levels:
-                return levels
+            levels = {key: _clean_level(payload.get(key)) for key in LEVELS}
+            if any(levels.values()):
+                return {key: hint for key, hint in levels.items() if hint}
+    fields = {key: _clean_level(_json_loads(f'"{value}"')) for key, value in _FIELD.findall(text)}
+    if any(fields.values()):
+        return {key: fields[key] for key in LEVELS if fields.get(key)}
     return {"level_1": text[:MAX_HINT_CHARS]} if text else {}
 
 
@@ -106,14 +144,19 @@ def hinted_problem(problem: str, hint: str) -> str:
 
 
 def leaks_answer(hint: str, answer: str) -> bool:
-    """Whether a hint states the final answer as a number or expression of its own (step 6).
+    """Whether a hint states the final answer as a number or expression of its own (step 6). A
+    one-character answer ("2") is also found in "level 2" or "2 steps": such leaks are overcounted.
 
     >>> leaks_answer("The sum is 12.", "12"), leaks_answer("Carry the 1 to the tens.", "12")
     (True, False)
+    >>> leaks_answer("It is -12, or 1/12, or 12^2.", "12"), leaks_answer("x = -12", "-12")
+    (False, True)
     """
     answer = answer.strip()
-    # Not inside a longer number or word: "12" is not in "120", "x12" or "12.5"; "is 12." is a leak.
-    return bool(answer) and re.search(rf"(?<![\w.]){re.escape(answer)}(?!\w|\.\d)", hint) is not None
+    # Not inside a longer number, word, fraction, power or negative: "12" is not in "120", "x12",
+    # "12.5", "1/12", "12^2" or "-12"; "is 12." is a leak.
+    pattern = rf"(?<![\w.\-/^]){re.escape(answer)}(?![\w/^]|\.\d)"
+    return bool(answer) and re.search(pattern, hint) is not None
 
 
 @dataclass

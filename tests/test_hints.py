@@ -21,6 +21,50 @@ def test_replies_become_hint_levels_and_leaks_are_counted_not_dropped():
     assert len(hints.parse_hint_levels("x" * 5000)["level_1"]) == hints.MAX_HINT_CHARS
 
 
+def test_replies_are_read_like_the_authors_parser_with_latex_kept():
+    # LaTeX with single backslashes: "\sqrt" is no JSON escape, "\frac", "\theta" would become control characters
+    reply = ('```json\n{"level_1": "Use \\sqrt{x}.", "level_2": "Write \\frac{a}{b} with \\theta.",'
+             ' "level_3": "\\beta"}\n```')
+    assert hints.parse_hint_levels(reply) == {"level_1": r"Use \sqrt{x}.", "level_2": r"Write \frac{a}{b} with \theta.",
+                                              "level_3": r"\beta"}
+    # properly escaped JSON is read as it is; a real newline stays a newline
+    assert hints.parse_hint_levels(r'{"level_1": "a \\sqrt{2}\nthen b"}') == {"level_1": "a \\sqrt{2}\nthen b"}
+    # the fenced object wins over braces in the text around it, and a thinking preamble is skipped
+    reply = '<think>try {x}</think>Hints:\n```json\n{"level_1": "Pair terms."}\n```\nSet {y} aside.'
+    assert hints.parse_hint_levels(reply) == {"level_1": "Pair terms."}
+    # a reply cut by the token budget keeps its complete levels, not the whole JSON as one hint
+    assert hints.parse_hint_levels('{"level_1": "Halve it.", "level_2": "Then \\sqrt{2}", "level_3": "Multi') == {
+        "level_1": "Halve it.", "level_2": r"Then \sqrt{2}"}
+    # only strings are hints (as the authors); an object with no level is plain text
+    assert hints.parse_hint_levels('{"level_1": ["a"], "level_2": "b"}') == {"level_2": "b"}
+    assert hints.parse_hint_levels('{"hint": "b"}') == {"level_1": '{"hint": "b"}'}
+
+
+def test_leaks_are_whole_answers_not_parts_of_other_numbers():
+    leak = hints.leaks_answer
+    assert leak("So the total is 12.", "12") and leak("x = -12 here", "-12")
+    assert leak(r"get \frac{1}{2} at last", r"\frac{1}{2}")
+    assert not any(leak(hint, "12") for hint in ["120 apples", "1/12 of it", "12^2 = 144", "x12", "12.5", "-12", ""])
+    assert not leak("anything", "  ")  # no answer, no leak
+
+
+def test_hint_writing_and_hinted_prompts():
+    messages = hints.hint_request_messages("Add 7 and 5.", "7+5=12")
+    assert messages[0]["role"] == "system" and "Never reveal the final answer" in messages[0]["content"]
+    assert all(level in messages[0]["content"] for level in hints.LEVELS)
+    assert messages[1] == {"role": "user", "content": "Question:\nAdd 7 and 5.\n\nSolution:\n7+5=12"}
+    assert hints.hinted_problem("Add 7 and 5.", "Carry.").startswith("Add 7 and 5.\n\nHere is a hint to help you:\n")
+
+
+def test_step_metrics_leave_out_means_of_nothing():
+    stats = hints.HintStats(prompts=8, prompts_with_signal=2, groups_needing_hint=5, groups_hinted=3,
+                            hint_chars=[10, 20], reward_with_hints=[1.0, 0.0], reward_without_hints=[])
+    record = stats.record()
+    assert record["hints/prompt_usage_rate"] == 0.25 and record["hints/mean_hint_chars"] == 15
+    assert record["hints/reward_with_hints"] == 0.5 and "hints/reward_without_hints" not in record
+    assert hints.HintStats().record()["hints/prompt_usage_rate"] == 0.0
+
+
 class ScriptedEngine:
     """Answers prompts by what they hold: a hint request gets hint levels (level 1 unhelpful,
     level 2 leaking the answer); a hinted prompt at level 2 gets right answers; anything else wrong."""
