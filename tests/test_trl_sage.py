@@ -1,165 +1,379 @@
-"""trl_sage.py: SAGE on TRL's GRPOTrainer computes the loss sage.py computes.
+"""trl_sage.py: SAGE on TRL's GRPOTrainer.
 
-Differential: on identical inputs the TRL path's loss and gradient equal those of sage.py's own
-pieces (loss.collate, loss.completion_logps, guides.compute_log_q, loss.policy_loss) with the branch
-and token guides; at q = 1 they equal TRL's own GRPO loss. End to end: a 2-step run of the CLI and a
-1-step run under `accelerate launch --num_processes 2` on CPU (gloo), as subprocesses.
+* Differential: on identical inputs, the trainer's loss and gradient equal loss.policy_loss on
+  log-probs and entropies computed independently from the model's logits, with a non-trivial
+  guide (branch, token), to 1e-6; at q = 1 they equal TRL's own GRPO loss for each loss type.
+* Guard: the one private TRL method the integration calls still has the pinned signature.
+* End to end: the CLI as a subprocess on the tiny model (transformers generation, CPU), one process
+  and two processes under `accelerate launch` (gloo).
+
+Skipped as a whole when TRL is not installed.
 """
 
+import inspect
 import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
-import torch
 
-pytest.importorskip("trl", reason="trl is installed by `make install`")
+trl = pytest.importorskip("trl")
 
-import demo  # noqa: E402
+import torch  # noqa: E402
+
 import guides  # noqa: E402
 import loss  # noqa: E402
-import trl_sage  # noqa: E402
-from trl import GRPOTrainer  # noqa: E402
+import task  # noqa: E402
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import trl_sage  # noqa: E402
+    from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_WAIT_POLICY": "PASSIVE", "PYTHONUNBUFFERED": "1"}
+ACCUMULATION = 2
 
 
-@pytest.fixture(scope="module")
-def data_file(tmp_path_factory):
-    train, _ = demo.demo_problems(0, 10)
-    path = tmp_path_factory.mktemp("trl_data") / "train.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p["problem"], "solution": p["answer"]}) + "\n" for p in train[:40]))
+# --------------------------------------------------------------------------------------------
+# A trainer on the tiny model and one hand-made batch
+# --------------------------------------------------------------------------------------------
+
+
+def make_trainer(model_dir, tmp_path, *, loss_type="grpo", beta=0.05, guide=None, kl_estimator="k3",
+                 bias_correction=False):
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=ACCUMULATION,
+        num_generations=2, max_completion_length=8, beta=beta, loss_type=loss_type, epsilon=0.2, epsilon_high=0.28,
+        use_bias_correction_kl=bias_correction, bf16=False, gradient_checkpointing=False, report_to="none",
+        use_cpu=True, max_steps=10,
+    )
+    dataset = Dataset.from_list([{"prompt": trl_sage.prompt_messages(f"What is {i} + 1?"), "problem": f"What is {i} + 1?",
+                                  "answer": str(i + 1)} for i in range(8)])
+    settings = trl_sage.SageSettings(guide=guide or guides.GuideConfig(), kl_estimator=kl_estimator)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trl_sage.SageGRPOTrainer(
+            model_dir, [trl_sage.trl_reward(task.math_reward)], args, sage=settings, train_dataset=dataset,
+            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=trl_sage.LORA_TARGETS, task_type="CAUSAL_LM"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # move the policy away from the reference (LoRA starts at B = 0)
+        for param in trainer.model.parameters():
+            if param.requires_grad:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = ACCUMULATION
+    return trainer
+
+
+def make_inputs(trainer, *, off_policy=False, importance=None):
+    """A batch as TRL's generation step returns it: left-padded prompts, right-padded completions."""
+    generator = torch.Generator().manual_seed(1)
+    vocab = trainer.model.config.vocab_size
+    prompt_lengths, completion_lengths = [5, 3, 4, 5], [6, 2, 4, 1]
+    prompt_ids = torch.zeros(4, 5, dtype=torch.long)
+    prompt_mask = torch.zeros(4, 5, dtype=torch.long)
+    completion_ids = torch.zeros(4, 6, dtype=torch.long)
+    completion_mask = torch.zeros(4, 6, dtype=torch.long)
+    for row, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
+        prompt_ids[row, 5 - p:] = torch.randint(10, vocab - 10, (p,), generator=generator)
+        prompt_mask[row, 5 - p:] = 1
+        completion_ids[row, :c] = torch.randint(10, vocab - 10, (c,), generator=generator)
+        completion_mask[row, :c] = 1
+    inputs = {
+        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
+        "completion_mask": completion_mask, "advantages": torch.randn(4, generator=generator),
+        "num_items_in_batch": completion_mask.sum() * 3,  # as if the generation batch held more tokens
+    }
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, 6)
+        with trainer.model.disable_adapter():
+            ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, 6)
+    if trainer.beta != 0:
+        inputs["ref_per_token_logps"] = ref
+    if off_policy:  # pi_old != pi: ratios away from 1, some clipped
+        inputs["old_per_token_logps"] = logps + 0.3 * torch.randn(logps.shape, generator=generator)
+    if importance is not None:
+        inputs["importance_sampling_ratio"] = importance
+    return inputs
+
+
+def reference_loss(trainer, inputs, guide_config, kl_estimator):
+    """loss.policy_loss on log-probs and entropies from the model's plain logits (not TRL's pass)."""
+    completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"]
+    length = completion_ids.shape[1]
+    logits = trainer.model(input_ids=torch.cat([inputs["prompt_ids"], completion_ids], 1),
+                           attention_mask=torch.cat([inputs["prompt_mask"], mask], 1)).logits
+    logps, entropies = loss.token_logps_and_entropies(logits[:, -length - 1:-1], completion_ids,
+                                                      trainer.temperature, inplace_backward=False)
+    old = inputs.get("old_per_token_logps", logps.detach())
+    log_q = None
+    if guide_config.name != "none":
+        log_q = guides.compute_log_q(guide_config, old, entropies, mask, 0, trainer.args.max_steps,
+                                     trl_sage.guide_generator(trainer.args.seed, 0, 0, 0))
+    aggregation = trl_sage.AGGREGATIONS[trainer.loss_type]
+    global_tokens = inputs["num_items_in_batch"] * ACCUMULATION / trainer.args.steps_per_generation
+    importance = inputs.get("importance_sampling_ratio")
+    value, _ = loss.policy_loss(
+        logps, old, inputs["advantages"], mask, inputs.get("ref_per_token_logps"), log_q, beta=trainer.args.beta,
+        kl_estimator=kl_estimator, eps_low=0.2, eps_high=0.28, aggregation=aggregation, max_completion_length=8,
+        global_num_tokens=global_tokens, importance_weights=None if importance is None else importance.expand_as(mask))
+    return value if aggregation == "dapo" else value / ACCUMULATION
+
+
+def loss_and_grads(trainer, compute):
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    value = compute()
+    return value.detach(), torch.autograd.grad(value, params)
+
+
+def assert_close(first, second, tolerance=1e-6):
+    (value_a, grads_a), (value_b, grads_b) = first, second
+    assert abs(value_a.item() - value_b.item()) <= tolerance, (value_a.item(), value_b.item())
+    worst = max((a - b).abs().max().item() for a, b in zip(grads_a, grads_b))
+    scale = max(g.abs().max().item() for g in grads_b)
+    assert scale > 1e-4, "the gradient is trivially zero: the test checks nothing"
+    assert worst <= tolerance, f"gradients differ by {worst:.3g} (largest component {scale:.3g})"
+
+
+# --------------------------------------------------------------------------------------------
+# Differential tests
+# --------------------------------------------------------------------------------------------
+
+
+def test_trl_path_matches_policy_loss_with_a_guide(tiny_model_dir, tmp_path):
+    cases = [
+        # branch: tau at the median entropy and a slope that spans [1, 1.4] over this batch
+        ("branch", "grpo", "k3", False),
+        ("branch", "dapo", "ratio_k3", False),
+        ("token", "bnpo", "k3", True),
+        ("token", "dr_grpo", "k2", False),
+    ]
+    for guide_name, loss_type, estimator, off_policy in cases:
+        trainer = make_trainer(tiny_model_dir, tmp_path, loss_type=loss_type, kl_estimator=estimator,
+                               bias_correction=estimator == "ratio_k3")
+        inputs = make_inputs(trainer, off_policy=off_policy)
+        _, entropies, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), 6, compute_entropy=True)
+        valid = entropies[inputs["completion_mask"].bool()]
+        spread = (valid.max() - valid.median()).item()
+        config = guides.GuideConfig(name=guide_name, tau=valid.median().item(), ratio=0.5 / spread)
+        trainer.sage = trl_sage.SageSettings(guide=config, kl_estimator=estimator)
+        ours = loss_and_grads(trainer, lambda: trainer.compute_loss(trainer.model, inputs))
+        log_q = inputs["sage_log_q"][inputs["completion_mask"].bool()]
+        assert log_q.std() > 0.01, f"{guide_name}: the guide is trivial in this batch"
+        reference = loss_and_grads(trainer, lambda: reference_loss(trainer, inputs, config, estimator))
+        assert_close(ours, reference)
+        # ... and the guide matters at that precision: without it, loss and gradient move by far more.
+        unguided = loss_and_grads(trainer, lambda: reference_loss(trainer, inputs, guides.GuideConfig(), estimator))
+        moved = max((a - b).abs().max().item() for a, b in zip(ours[1], unguided[1]))
+        assert moved > 1e-4, f"{guide_name}: the guide changes the gradient by only {moved:.2g}"
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_at_q_equal_1_the_loss_is_trls_own(tiny_model_dir, tmp_path, loss_type):
+    # (estimator, TRL's use_bias_correction_kl, old log-probs, vLLM IS ratio shape)
+    cases = [("k3", False, False, None), ("k3", False, True, (4, 6)), ("ratio_k3", True, False, (4, 1))]
+    for estimator, bias_correction, off_policy, ratio_shape in cases:
+        trainer = make_trainer(tiny_model_dir, tmp_path, loss_type=loss_type, kl_estimator=estimator,
+                               bias_correction=bias_correction)
+        importance = None
+        if ratio_shape is not None:  # as TRL's generation step leaves it with vLLM's IS correction on
+            trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
+            importance = torch.rand(ratio_shape, generator=torch.Generator().manual_seed(2)) + 0.5
+        inputs = make_inputs(trainer, off_policy=off_policy, importance=importance)
+        ours = loss_and_grads(trainer, lambda: trainer.compute_loss(trainer.model, inputs))
+        theirs = loss_and_grads(trainer, lambda: GRPOTrainer._compute_loss(trainer, trainer.model, inputs))
+        assert_close(ours, theirs)
+
+
+def test_kl_return_reward_is_the_sequence_k1_of_the_anchor(tiny_model_dir, tmp_path):
+    """k1_return: TRL's reward hook gets -beta * sum_t (log pi - log pi_ref - log q_t) per completion."""
+    config = guides.GuideConfig(name="branch", tau=5.0, ratio=2.0)
+    trainer = make_trainer(tiny_model_dir, tmp_path, guide=config, kl_estimator="k1_return")
+    assert trainer.beta == 0.0 and trainer.sage_beta == 0.05  # TRL's own reference pass is skipped
+    assert trainer.reward_func_names == ["math_reward", "kl_return"]
+    tokenizer = trainer.processing_class
+    problems = ["What is 3 + 4?", "Add 1 and 2."]
+    prompts = [trl_sage.prompt_messages(p) for p in problems]
+    completions = [tokenizer("<SOLUTION>7</SOLUTION>", add_special_tokens=False)["input_ids"], [5, 6, 7]]
+    logged = {}
+    rewards = trainer.kl_return(prompts, None, completions, log_metric=logged.__setitem__)
+
+    expected = []
+    for problem, completion in zip(problems, completions):
+        prompt = trl_sage.build_prompt_ids(tokenizer, problem)
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = trainer.model(input_ids=ids).logits[:, len(prompt) - 1:-1]
+            with trainer.model.disable_adapter():
+                ref_logits = trainer.model(input_ids=ids).logits[:, len(prompt) - 1:-1]
+        target = torch.tensor([completion])
+        logps, entropies = loss.token_logps_and_entropies(logits, target)
+        ref, _ = loss.token_logps_and_entropies(ref_logits, target)
+        mask = torch.ones_like(logps)
+        log_q = guides.compute_log_q(config, logps, entropies, mask, 0, 10)
+        expected.append(loss.kl_shaped_rewards(torch.zeros(1), logps, ref, log_q, mask, 0.05).item())
+    assert rewards == pytest.approx(expected, abs=1e-5)
+    assert set(logged) == {"kl/ref_k1", "kl/anchor_k1", "q/mean"}
+
+
+def test_trls_prompt_tokens_are_the_projects(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path)
+    problem = "What is the sum of 4 and 5?"
+    prompt_ids, _, _ = trainer._tokenize_prompts([trl_sage.prompt_messages(problem)])
+    assert list(prompt_ids[0]) == trl_sage.build_prompt_ids(trainer.processing_class, problem)
+
+
+def test_unsupported_settings_are_refused_in_one_line(tmp_path, capsys):
+    args = GRPOConfig(output_dir=str(tmp_path), loss_type="cispo", bf16=False, use_cpu=True, report_to="none")
+    assert trl_sage.unsupported(args, trl_sage.SageSettings())[0].startswith("loss_type='cispo' is not supported")
+    out = ["--out", str(tmp_path)]
+    for argv, message in [
+        (["--model", "m", "--advantage", "rloo", *out], "--advantage rloo is not available on TRL"),
+        (["--model", "m", "--guide", "branch", "--beta", "0", *out], "acts only through the KL anchor"),
+        (["--model", "m", "--kl-estimator", "k1_return", "--kl", "forward", *out], "k1_return needs --kl reverse"),
+        (["--model", "m", "--prompts-per-step", "3", "--rollouts", "3", "--micro-batch-size", "2", *out],
+         "must be a multiple of --micro-batch-size x processes"),
+        (["--model", "m", "--resume", *out], "holds no checkpoint"),
+        (out, "--model"),
+    ]:
+        with pytest.raises(SystemExit) as stopped:
+            trl_sage.main(argv)
+        error = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stopped.value.code == 2 and message in error, error
+    assert not os.listdir(tmp_path), "a refused run left files behind"
+
+
+def test_shared_flags_have_sage_py_names_and_defaults():
+    import dataclasses
+
+    import sage
+
+    # (sage.py's None defaults are resolved from its --algo preset; TRL has no presets)
+    sage_fields = {f.name: f.default for f in dataclasses.fields(sage.Config) if f.default is not None}
+    # --model is required here (no demo); --report-to names TRL's trackers, metrics.jsonl is always written
+    own = {"model", "report_to"}
+    shared = [f for f in dataclasses.fields(trl_sage.TRLArgs) if f.name in sage_fields and f.name not in own]
+    assert {"dataset", "guide", "beta", "kl_estimator", "lr", "lora_rank", "temperature", "min_p",
+            "rollouts", "prompts_per_step", "steps", "max_seq_len"} <= {f.name for f in shared}
+    for f in shared:
+        assert f.default == sage_fields[f.name], f.name
+
+
+# --------------------------------------------------------------------------------------------
+# Guard: the private TRL method that trl_sage calls
+# --------------------------------------------------------------------------------------------
+
+
+def test_private_trl_signature_is_the_pinned_one():
+    pinned = ["self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
+              "compute_aux_loss"]
+    found = list(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
+    assert found[: len(pinned)] == pinned, (
+        f"TRL {trl.__version__} changed GRPOTrainer._get_per_token_logps_and_entropies{tuple(found)}; trl_sage.py is "
+        f"written against TRL {trl_sage.TRL_VERSION} (parameters {tuple(pinned)}, returns (logps, entropies, "
+        f"aux_loss)): pin trl=={trl_sage.TRL_VERSION} or update SageGRPOTrainer.compute_loss and kl_return")
+    public = list(inspect.signature(GRPOTrainer.compute_loss).parameters)
+    assert public == ["self", "model", "inputs", "return_outputs", "num_items_in_batch"], (
+        f"TRL {trl.__version__}: GRPOTrainer.compute_loss{tuple(public)} is not the hook trl_sage overrides "
+        f"(written against TRL {trl_sage.TRL_VERSION})")
+
+
+# --------------------------------------------------------------------------------------------
+# End to end: the CLI as a subprocess (transformers generation on CPU)
+# --------------------------------------------------------------------------------------------
+
+TINY = ["--prompts-per-step", "2", "--rollouts", "2", "--max-seq-len", "96", "--max-prompt-len", "80",
+        "--save-every", "1", "--lr", "1e-3", "--warmup-ratio", "0"]
+
+
+def subprocess_env():
+    trl_root = os.path.dirname(os.path.dirname(os.path.abspath(trl.__file__)))
+    path = os.pathsep.join(p for p in (REPO, trl_root, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def train_file(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}?", "solution": str(a + b)}) + "\n"
+                            for a in range(3) for b in range(3)))
     return str(path)
 
 
-def tiny_args(model_dir, data_file, out, **overrides):
-    values = dict(model=model_dir, dataset=data_file, steps=2, prompts_per_step=2, rollouts=4, micro_batch_size=4,
-                  max_seq_len=160, max_prompt_len=96, use_vllm=False, gradient_checkpointing=False, out=str(out),
-                  guide="branch", tau=0.5)
-    return trl_sage.TRLArgs(**{**values, **overrides})
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
+        return [json.loads(line) for line in handle]
 
 
-def make_inputs(trainer, seed):
-    """TRL's training inputs for 4 completions of equal-length prompts (so that TRL's forward,
-    which does not pass position ids, and sage.py's, which does, see the same positions)."""
-    generator = torch.Generator().manual_seed(seed)
-    vocab = trainer.model.config.vocab_size
-    prompt_ids = torch.randint(10, vocab - 10, (4, 9), generator=generator)
-    completion_ids = torch.randint(10, vocab - 10, (4, 7), generator=generator)
-    completion_mask = torch.tensor([[1] * 7, [1] * 5 + [0] * 2, [1] * 3 + [0] * 4, [1] * 6 + [0]])
-    with torch.no_grad():
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, torch.cat([prompt_ids, completion_ids], 1),
-            torch.cat([torch.ones_like(prompt_ids), completion_mask], 1), 7)
-    return {
-        "prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "completion_ids": completion_ids,
-        "completion_mask": completion_mask, "advantages": torch.tensor([1.0, -0.5, 0.8, -1.3]),
-        "old_per_token_logps": logps + 0.1 * torch.randn(logps.shape, generator=generator),
-        "ref_per_token_logps": logps + 0.2 * torch.randn(logps.shape, generator=generator),
-        "num_items_in_batch": completion_mask.sum(),
-    }
-
-
-def loss_and_gradient(trainer, compute):
-    trainer.model.zero_grad(set_to_none=True)
-    value = compute()
-    value.backward()
-    gradient = torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
-    trainer.model.zero_grad(set_to_none=True)
-    return value.detach(), gradient
-
-
-def sage_loss(trainer, inputs, guide, aggregation):
-    """The same loss from sage.py's own pieces: its batching, forward pass, guide and loss."""
-    batch = loss.collate(inputs["prompt_ids"].tolist(),
-                         [row[: int(m.sum())].tolist() for row, m in zip(inputs["completion_ids"], inputs["completion_mask"])],
-                         0, "cpu")
-    logps, entropies = loss.completion_logps(trainer.model, batch, trainer.temperature, 0.0)
-    mask = batch["completion_mask"]
-    log_q = guides.compute_log_q(guide, inputs["old_per_token_logps"], entropies, mask, 0, trainer.args.max_steps,
-                                 torch.Generator().manual_seed(123))
-    value, _ = loss.policy_loss(logps, inputs["old_per_token_logps"], inputs["advantages"], mask,
-                                inputs["ref_per_token_logps"], log_q, beta=trainer.beta, kl="reverse",
-                                kl_estimator="k3", eps_low=trainer.epsilon_low, eps_high=trainer.epsilon_high,
-                                aggregation=aggregation, max_completion_length=trainer.max_completion_length,
-                                global_num_tokens=inputs["num_items_in_batch"].float())
-    return value
-
-
-@pytest.mark.parametrize("guide_name", ["branch", "token"])
-def test_the_trl_loss_equals_sage_py_s_with_a_guide(tiny_model_dir, data_file, tmp_path, guide_name):
-    trainer = trl_sage.build_trainer(tiny_args(tiny_model_dir, data_file, tmp_path, guide=guide_name, micro_batch_size=8,
-                                               prompts_per_step=2))
-    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by TRL's loop
-    assert trainer.current_gradient_accumulation_steps == 1
-    trainer.model.train()
-    inputs = make_inputs(trainer, seed=1)
-    trainer.guide_generator = torch.Generator().manual_seed(123)
-    trl_value, trl_gradient = loss_and_gradient(trainer, lambda: trainer.compute_loss(trainer.model, inputs))
-    guide = guides.GuideConfig(name=guide_name, tau=0.5)
-    sage_value, sage_gradient = loss_and_gradient(trainer, lambda: sage_loss(trainer, inputs, guide, "grpo"))
-    assert trl_gradient.abs().max() > 0
-    torch.testing.assert_close(trl_value, sage_value, atol=1e-6, rtol=0)
-    torch.testing.assert_close(trl_gradient, sage_gradient, atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize("aggregation", ["grpo", "batch_token_mean", "dr_grpo", "dapo"])
-def test_at_q_equal_one_the_trl_loss_equals_trl_s_own(tiny_model_dir, data_file, tmp_path, aggregation):
-    """No guide: SAGE's loss is TRL's GRPO loss (use_bias_correction_kl off), value and gradient,
-    for each of TRL's loss types it reproduces (TRL's "bnpo" is batch_token_mean here)."""
-    trainer = trl_sage.build_trainer(tiny_args(tiny_model_dir, data_file, tmp_path, guide="none", loss_agg=aggregation))
-    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps  # set by TRL's loop
-    trainer.model.train()
-    inputs = make_inputs(trainer, seed=2)
-    ours = loss_and_gradient(trainer, lambda: trainer.compute_loss(trainer.model, inputs))
-    theirs = loss_and_gradient(trainer, lambda: GRPOTrainer._compute_loss(trainer, trainer.model, inputs))
-    torch.testing.assert_close(ours[0], theirs[0], atol=1e-6, rtol=0)
-    torch.testing.assert_close(ours[1], theirs[1], atol=1e-6, rtol=1e-5)
-
-
-def test_the_private_trl_method_we_call_has_the_pinned_signature():
-    message = trl_sage.private_signature_matches()
-    assert message is None, message
-
-
-def test_knobs_trl_cannot_run_are_one_line_errors(tiny_model_dir, data_file, tmp_path):
-    for overrides, text in [({"kl_estimator": "k1_return"}, "not available on TRL"),
-                            ({"advantage": "bnpo"}, "--advantage bnpo is not available on TRL"),
-                            ({"guide": "branch", "beta": 0.0}, "acts only through the KL anchor")]:
-        with pytest.raises(ValueError, match=text):
-            trl_sage.validate(tiny_args(tiny_model_dir, data_file, tmp_path, **overrides))
-
-
-def run(command, timeout=600):
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=ENV)
-
-
-TINY_FLAGS = ["--steps", "2", "--prompts-per-step", "2", "--rollouts", "4", "--micro-batch-size", "2",
-              "--max-seq-len", "160", "--max-prompt-len", "96", "--no-use-vllm", "--no-gradient-checkpointing",
-              "--guide", "branch"]
+def check_run(result, run_dir, steps, guide_in_loss=True):
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    records = [m for m in read_metrics(run_dir) if "train_runtime" not in m]
+    assert [m["step"] for m in records] == list(range(steps))
+    for record in records:
+        for key in ("loss", "reward", "entropy", "clip_ratio/region", "grad_norm", "q/mean"):
+            assert key in record, key
+        if guide_in_loss:
+            assert 0.6 - 1e-6 <= record["q/min"] <= record["q/mean"] + 1e-6
+            assert record["q/mean"] <= record["q/max"] + 1e-6 <= 1.4 + 2e-6
+    assert os.path.isdir(os.path.join(run_dir, f"checkpoint-{steps}"))
+    assert os.path.exists(os.path.join(run_dir, "final", "adapter_model.safetensors"))
 
 
 @pytest.mark.slow
-def test_a_two_step_trl_run(tiny_model_dir, data_file, tmp_path):
-    result = run([sys.executable, "trl_sage.py", "--model", tiny_model_dir, "--dataset", data_file, *TINY_FLAGS,
-                  "--out", str(tmp_path), "--name", "two"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert os.path.exists(tmp_path / "two" / "adapter_model.safetensors")
-    assert "'q/mean'" in result.stdout + result.stderr
+@pytest.mark.parametrize("guide, extra", [
+    ("branch", []),
+    ("token", ["--kl-estimator", "k1_return", "--advantage", "dr_grpo", "--loss-agg", "dr_grpo"]),
+])
+def test_two_step_cli_run(tiny_model_dir, train_file, tmp_path, guide, extra):
+    argv = [*TINY, "--steps", "2", "--model", tiny_model_dir, "--dataset", train_file, "--guide", guide,
+            "--micro-batch-size", "2", "--out", str(tmp_path), "--name", "run", *extra]
+    result = subprocess.run([sys.executable, "-W", "ignore", os.path.join(REPO, "trl_sage.py"), *argv],
+                            capture_output=True, text=True, cwd=REPO, env=subprocess_env(), timeout=600)
+    in_return = "k1_return" in extra  # the guide is in the return: logged by the reward hook
+    check_run(result, tmp_path / "run", steps=2, guide_in_loss=not in_return)
+    if in_return:
+        first = read_metrics(tmp_path / "run")[0]
+        assert "kl/ref_k1" in first and "rewards/kl_return/mean" in first
 
 
 @pytest.mark.slow
-def test_one_step_on_two_processes_with_accelerate(tiny_model_dir, data_file, tmp_path):
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--cpu",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
-    result = run([*launcher, "trl_sage.py", "--model", tiny_model_dir, "--dataset", data_file, *TINY_FLAGS,
-                  "--steps", "1", "--out", str(tmp_path), "--name", "ddp"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert os.path.exists(tmp_path / "ddp" / "adapter_model.safetensors")
+def test_one_step_under_accelerate_launch_with_two_cpu_processes(tiny_model_dir, train_file, tmp_path):
+    # `accelerate launch --cpu --num_processes 2` starts ONE process (accelerate's --cpu launcher is
+    # single-process unless mpirun is used); --multi_gpu starts two through torchrun, and on a
+    # machine without CUDA, use_cpu=True makes them a MULTI_CPU group on gloo.
+    launch = [sys.executable, "-W", "ignore", "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+              "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", "29517"]
+    # 2 prompts x 2 rollouts = 4 completions: 1 per process per micro-batch, 2 accumulated
+    argv = [*TINY, "--steps", "1", "--model", tiny_model_dir, "--dataset", train_file, "--guide", "branch",
+            "--micro-batch-size", "1", "--out", str(tmp_path), "--name", "run"]
+    result = subprocess.run([*launch, os.path.join(REPO, "trl_sage.py"), *argv], capture_output=True, text=True,
+                            cwd=REPO, env=subprocess_env(), timeout=600)
+    check_run(result, tmp_path / "run", steps=1)
+    assert "trl_sage: 2 processes x micro-batch 1 x 2 accumulation steps" in result.stdout
 
 
-def test_a_bad_flag_is_one_line(tmp_path):
-    result = run([sys.executable, "trl_sage.py", "--model", "m", "--kl-estimator", "k1_return", "--out", str(tmp_path)])
-    assert result.returncode != 0 and "not available on TRL" in result.stderr.strip().splitlines()[-1]
+@pytest.mark.slow
+def test_a_resumed_run_continues_from_its_checkpoint(tiny_model_dir, train_file, tmp_path):
+    argv = [*TINY, "--model", tiny_model_dir, "--dataset", train_file, "--guide", "token", "--micro-batch-size", "2",
+            "--out", str(tmp_path), "--name", "run"]
+    command = [sys.executable, "-W", "ignore", os.path.join(REPO, "trl_sage.py")]
+    first = subprocess.run([*command, *argv, "--steps", "1"], capture_output=True, text=True, cwd=REPO,
+                           env=subprocess_env(), timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = subprocess.run([*command, *argv, "--steps", "2"], capture_output=True, text=True, cwd=REPO,
+                           env=subprocess_env(), timeout=600)
+    assert again.returncode == 2 and "pass --resume" in again.stderr.strip().splitlines()[-1]
+    resumed = subprocess.run([*command, *argv, "--steps", "2", "--resume"], capture_output=True, text=True, cwd=REPO,
+                             env=subprocess_env(), timeout=600)
+    check_run(resumed, tmp_path / "run", steps=2)
