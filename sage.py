@@ -507,6 +507,7 @@ def self_hint(engine, rollouts: Rollouts, rewards: torch.Tensor, chosen: list[di
                                      seed=rollout.rollout_seed(config.seed, step, 1000))
     replies = engine.generate(list(requests.values()), writing)
     levels = {g: hints.parse_hint_levels(group[0].text) for g, group in zip(requests, replies)}
+    kept_hint = {}  # group -> the hint its final rollouts were sampled with
     for number, level in enumerate(hints.LEVELS, start=1):
         targets = [g for g in requests if level in levels[g] and rewards.view(-1, group_size)[g].max() <= 0]
         hinted = {g: build_prompt_ids(tokenizer, hints.hinted_problem(chosen[g]["problem"], levels[g][level]))
@@ -520,10 +521,11 @@ def self_hint(engine, rollouts: Rollouts, rewards: torch.Tensor, chosen: list[di
         rollouts = rollouts.replace_groups(targets, again, group_size)
         rows = torch.tensor([g * group_size + i for g in targets for i in range(group_size)])
         rewards = rewards.clone().index_put_((rows,), again_rewards)
-        stats.hint_chars += [len(levels[g][level]) for g in targets]
-        stats.leaked += sum(hints.leaks_answer(levels[g][level], chosen[g]["answer"]) for g in targets)
-    hinted_groups = [g for g in requests if any(level in levels[g] for level in hints.LEVELS)]
+        kept_hint.update({g: levels[g][level] for g in targets})
+    hinted_groups = sorted(kept_hint)  # resampled on a hint (a hint too long at every level is not)
     stats.groups_hinted = len(hinted_groups)
+    stats.hint_chars += [len(kept_hint[g]) for g in hinted_groups]
+    stats.leaked += sum(hints.leaks_answer(kept_hint[g], chosen[g]["answer"]) for g in hinted_groups)
     groups = rewards.view(-1, group_size)
     stats.groups_solved_by_hint = sum(int(groups[g].max() > 0) for g in hinted_groups)
     stats.reward_with_hints = groups[hinted_groups].flatten().tolist()

@@ -122,6 +122,7 @@ def test_a_hinted_group_is_sampled_on_prompt_plus_hint_and_graded_against_the_or
     assert record["hints/groups_needing_hint"] == 2 and record["hints/missing_solution"] == 1
     assert record["hints/groups_hinted"] == 1 and record["hints/groups_solved_by_hint"] == 1
     assert record["hints/leaked"] == 1  # level 2 states the answer: used all the same, counted
+    assert record["hints/mean_hint_chars"] == len("It is 12, carry the ten.")  # the hint kept, not level 1 too
     assert record["hints/prompt_usage_rate"] == 0.0  # prompts whose group carried signal: neither (all 1s, all 0s)
 
 
