@@ -72,8 +72,8 @@ def trl_steps(model: str, dataset: str, max_seq_len: int, steps: int, warmup: in
     run([sys.executable, "trl_sage.py", "--model", model, "--dataset", dataset, "--max-seq-len", str(max_seq_len),
          "--steps", str(steps), "--out", out, "--name", "trl", "--no-use-vllm", "--save-every", str(10 * steps),
          *SHARED])
-    with open(os.path.join(out, "trl", "trainer_state.json")) as handle:
-        rows = [row for row in json.load(handle)["log_history"] if "step_time" in row][warmup:]
+    with open(os.path.join(out, "trl", "metrics.jsonl")) as handle:
+        rows = [row for row in map(json.loads, handle) if "step_time" in row][warmup:]
     return {"step_s": statistics.fmean(row["step_time"] for row in rows),
             "completion_tokens": statistics.fmean(row["completions/mean_length"] for row in rows)}
 

@@ -88,11 +88,11 @@ class ScriptedEngine:
         return out
 
 
-def run_collect(self_hints: bool):
+def run_collect(self_hints: bool, answers=("12", "18")):
     tokenizer = demo.build_tiny_tokenizer()
     engine = ScriptedEngine(tokenizer)
-    problems = [{"problem": "Add 7 and 5.", "answer": "12", "solution": "7+5=12"},
-                {"problem": "Add 9 and 9.", "answer": "18", "solution": ""}]
+    problems = [{"problem": "Add 7 and 5.", "answer": answers[0], "solution": "7+5=12"},
+                {"problem": "Add 9 and 9.", "answer": answers[1], "solution": ""}]
     prompts = [sage.build_prompt_ids(tokenizer, p["problem"]) for p in problems]
     config = sage.Config(model="m", rollouts=2, prompts_per_step=2, max_seq_len=1200, max_prompt_len=1000,
                          self_hints=self_hints)
@@ -131,3 +131,15 @@ def test_with_hints_off_the_step_is_the_plain_one():
     assert len(engine.calls) == 1 and rewards.tolist() == [0.0, 0.0, 0.0, 0.0]
     assert all("hint" not in tokenizer.decode(ids) for ids in rollouts.prompt_ids)
     assert isinstance(rewards, torch.Tensor)
+
+
+def test_with_hints_on_and_no_all_wrong_group_the_step_is_the_plain_one_bit_for_bit():
+    """Every group has a right rollout (the engine answers 2): nothing is hinted, and the engine's
+    calls, the rollouts and the rewards are exactly those of a step with hints off."""
+    plain = run_collect(self_hints=False, answers=("2", "2"))
+    hinted = run_collect(self_hints=True, answers=("2", "2"))
+    assert hinted[0].calls == plain[0].calls and len(plain[0].calls) == 1
+    (rollouts, rewards, groups, zero), (plain_rollouts, plain_rewards, plain_groups, plain_zero) = hinted[2], plain[2]
+    assert torch.equal(rewards, plain_rewards) and (groups, zero) == (plain_groups, plain_zero)
+    assert rollouts == plain_rollouts
+    assert hinted[4].record()["hints/groups_needing_hint"] == 0
