@@ -12,7 +12,7 @@ TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 FLASH_ATTN_WHEEL ?=
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM ?= false
-export OMP_WAIT_POLICY ?= PASSIVE
+export GOMP_SPINCOUNT ?= 100000  # OpenMP threads spin ~1 ms, then sleep (see sage.py)
 
 .PHONY: install test test-fast demo compare toy bench clean
 

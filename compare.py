@@ -38,7 +38,7 @@ VARIANTS = {
     "branch_k3": ["--guide", "branch", "--kl-estimator", "k3"],
     "branch_k1_return": ["--guide", "branch", "--kl-estimator", "k1_return", "--advantage", "rloo"],
 }
-ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+ENV = {**os.environ, "GOMP_SPINCOUNT": "100000", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false"}
 
 

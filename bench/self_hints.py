@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import demo  # noqa: E402
 
-ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+ENV = {**os.environ, "GOMP_SPINCOUNT": "100000", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false"}
 DEMO_FLAGS = ["--prompts-per-step", "8", "--rollouts", "8", "--micro-batch-size", "64", "--lora-rank", "16",
               "--lora-alpha", "32", "--lr", "5e-4", "--warmup-ratio", "0.05", "--guide", "branch", "--max-seq-len", "640",

@@ -32,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import demo  # noqa: E402
 
-ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+ENV = {**os.environ, "GOMP_SPINCOUNT": "100000", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
        "TOKENIZERS_PARALLELISM": "false"}
 # The knobs both trainers get, with sage.py's flag names (trl_sage.py uses the same).
 SHARED = ["--prompts-per-step", "8", "--rollouts", "8", "--micro-batch-size", "64", "--lora-rank", "16",
