@@ -2,7 +2,9 @@
 
 * The base model loads from a hub name or a local directory, in bf16 on CUDA (float32 on CPU),
   with flash-attention 2 when a matching build is installed (else PyTorch's SDPA), and gradient
-  checkpointing for long completions.
+  checkpointing for long completions. Fine-tuning every weight keeps them in float32 on CUDA too:
+  an AdamW step of lr = 5e-6 is smaller than half a bf16 step of any weight above 2e-3 in size,
+  so in bf16 most updates would round away and training would silently stall.
 * The policy is the base with LoRA adapters on the attention and MLP projections (the paper runs
   everything with LoRA rank 8). Its reference policy pi_ref is the same weights with the adapter
   switched off: no second copy. Fine-tuning every weight keeps a frozen copy instead, and is
@@ -24,24 +26,24 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from data import first_line
 
 
-def device_and_dtype() -> tuple[torch.device, torch.dtype]:
-    """bf16 on CUDA, float32 on CPU."""
+def device_and_dtype(full_finetune: bool = False) -> tuple[torch.device, torch.dtype]:
+    """bf16 on CUDA (float32 when every weight is trained: see above), float32 on CPU."""
     if torch.cuda.is_available():
-        return torch.device("cuda"), torch.bfloat16
+        return torch.device("cuda"), torch.float32 if full_finetune else torch.bfloat16
     return torch.device("cpu"), torch.float32
 
 
-def attention_implementation() -> str:
-    """flash-attention 2 on CUDA when installed (and built for this torch), else PyTorch's SDPA."""
-    if torch.cuda.is_available():
-        try:
-            import flash_attn  # noqa: F401
+def attention_implementation(dtype: torch.dtype) -> str:
+    """flash-attention 2 on CUDA in bf16 when transformers finds a working build, else PyTorch's SDPA."""
+    if not torch.cuda.is_available() or dtype not in (torch.bfloat16, torch.float16):
+        return "sdpa"
+    try:
+        from transformers.utils import is_flash_attn_2_available
 
+        if is_flash_attn_2_available():
             return "flash_attention_2"
-        except ImportError:
-            pass
-        except Exception as error:  # a wheel built for another torch fails at import (undefined symbols)
-            tqdm.write(f"note: flash-attn does not load ({type(error).__name__}); using PyTorch SDPA")
+    except Exception as error:  # a wheel built for another torch fails at import (undefined symbols)
+        tqdm.write(f"note: flash-attn does not load ({type(error).__name__}); using PyTorch SDPA")
     return "sdpa"
 
 
@@ -58,14 +60,15 @@ def enable_gradient_checkpointing(model) -> None:
     model.config.use_cache = False
 
 
-def load_base_model(path: str, gradient_checkpointing: bool = False, device: str | None = None):
+def load_base_model(path: str, gradient_checkpointing: bool = False, device: str | None = None,
+                    full_finetune: bool = False):
     """The base model and tokenizer from a hub name or a local directory, with a clear error;
     on ``device`` (default: the GPU if there is one), in its dtype."""
-    default_device, dtype = device_and_dtype()
+    default_device, dtype = device_and_dtype(full_finetune)
     device = device or default_device
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_implementation())
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_implementation(dtype))
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: cannot load model {path!r} ({first_line(error)}); pass a local model "
                          "directory or a cached hub name") from None
@@ -117,36 +120,38 @@ def make_optimizer(model, lr: float, weight_decay: float, total_steps: int, warm
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def full_finetune_bytes(num_parameters: int, dtype_bytes: int, with_reference: bool, with_engine: bool) -> int:
+def full_finetune_bytes(num_parameters: int, dtype_bytes: int, with_reference: bool, with_engine: bool,
+                        engine_bytes: int = 2) -> int:
     """Memory that full fine-tuning holds for its weights alone: the weights, their gradients,
     AdamW's two moments (PyTorch keeps them in the weights' dtype), the frozen reference copy (when
-    there is a KL anchor) and the colocated engine's copy. Activations come on top.
+    there is a KL anchor), all in ``dtype_bytes``, and the colocated engine's copy in
+    ``engine_bytes`` (bf16). Activations come on top.
 
-    >>> round(full_finetune_bytes(7_615_616_512, 2, with_reference=True, with_engine=True) / 1e9)  # Qwen2.5-7B, bf16
-    91
+    >>> round(full_finetune_bytes(7_615_616_512, 4, with_reference=True, with_engine=True) / 1e9)  # Qwen2.5-7B, CUDA
+    168
     """
-    copies = 4 + int(with_reference) + int(with_engine)
-    return num_parameters * dtype_bytes * copies
+    return num_parameters * (dtype_bytes * (4 + int(with_reference)) + engine_bytes * int(with_engine))
 
 
 def check_full_finetune_fits(model_path: str, with_reference: bool, with_engine: bool) -> None:
     """Refuse --full-finetune, before anything is loaded, when the weights alone would not fit the
-    device (a 7B model needs ~91 GB in bf16): a one-line error naming what would fit."""
+    device (a 7B model needs ~168 GB with float32 weights): a one-line error naming what would fit."""
     try:
         model_config = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError):
         return  # load_base_model reports an unreadable model
     with torch.device("meta"):
         num_parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters())
-    device, dtype = device_and_dtype()
+    device, dtype = device_and_dtype(full_finetune=True)
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     if device.type == "cuda":
         available, where = torch.cuda.get_device_properties(0).total_memory, "the GPU has"
     else:
         available, where = psutil.virtual_memory().total, "this machine has"
-    needed = full_finetune_bytes(num_parameters, dtype_bytes, with_reference, with_engine)
+    engine_bytes = 2 if device.type == "cuda" else dtype_bytes  # the engine runs in bf16 on CUDA
+    needed = full_finetune_bytes(num_parameters, dtype_bytes, with_reference, with_engine, engine_bytes)
     if needed > 0.9 * available:
-        largest = 0.9 * available / full_finetune_bytes(1, dtype_bytes, with_reference, with_engine)
+        largest = 0.9 * available / full_finetune_bytes(1, dtype_bytes, with_reference, with_engine, engine_bytes)
         raise SystemExit(
             f"error: --full-finetune of a {num_parameters / 1e9:.1f}B-parameter model needs about {needed / 1e9:.0f} GB "
             f"for weights, gradients, AdamW states{', a frozen reference' if with_reference else ''}"

@@ -606,6 +606,11 @@ class VLLMEngine:
         with engine_weights(model) as weights:
             try:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            except torch.OutOfMemoryError as error:  # a RuntimeError too: not an architecture mismatch
+                raise RolloutError(
+                    f"out of memory pushing the weights into the engine ({_first_line(error)}): lower "
+                    "gpu_memory_utilization or the trainer's micro-batch to leave room for the merged weights"
+                ) from error
             except (KeyError, AttributeError, ValueError, RuntimeError) as error:
                 raise RolloutError(
                     f"cannot push the weights into the engine ({_first_line(error)}): sync a model of the "

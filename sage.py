@@ -197,7 +197,8 @@ class Config:
     lora_alpha: int = 16
     """LoRA alpha."""
     full_finetune: bool = False
-    """Train all weights instead of LoRA (the reference is then a frozen copy)."""
+    """Train all weights instead of LoRA (the reference is then a frozen copy; float32 weights on CUDA, since
+    AdamW's small steps round away in bf16)."""
     gradient_checkpointing: bool = True
     """Recompute activations in the backward (a 7B keeps ~6 MB of activations per token without it)."""
     # ---- sampling ----
@@ -818,7 +819,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {"sft_model": run_sft_stage(config, run_dir) if config.model else demo_base_model(config, run_dir)}
     # ---- data, the base model (after SFT), the policy and its reference, the optimizer ----
     base_path, problems, held_out = base_model_and_problems(config, run_dir)
-    model, tokenizer = models.load_base_model(base_path, config.gradient_checkpointing)
+    model, tokenizer = models.load_base_model(base_path, config.gradient_checkpointing, full_finetune=config.full_finetune)
     problems, prompts = tokenized_prompts(problems, tokenizer, config.max_prompt_len)
     policy, frozen_reference = models.make_policy(model, config.full_finetune, config.lora_rank, config.lora_alpha,
                                                   with_reference=config.kl != "none" and config.beta > 0)

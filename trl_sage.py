@@ -543,7 +543,10 @@ def grpo_config(args: TRLArgs, num_processes: int) -> GRPOConfig:
         gradient_checkpointing=args.gradient_checkpointing,
         bf16=cuda,  # GRPOConfig's default is True, which on CPU means bf16 autocast
         use_cpu=not cuda,  # also what makes a multi-process launch on CPU a gloo group
-        model_init_kwargs={"dtype": "bfloat16" if cuda else "float32", "attn_implementation": attention_implementation()},
+        # Trained weights stay float32 when every weight is trained (bf16 would round AdamW's steps away;
+        # TRL's bf16 autocast still computes in bf16); LoRA's frozen base is bf16 on CUDA.
+        model_init_kwargs={"dtype": "bfloat16" if cuda and not args.full_finetune else "float32",
+                           "attn_implementation": attention_implementation(torch.bfloat16 if cuda else torch.float32)},
         disable_dropout=True, logging_steps=1, save_strategy="steps", save_steps=args.save_every,
         report_to=[name for name in args.report_to.split(",") if name and name != "none"] or "none",
     )

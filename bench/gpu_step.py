@@ -17,8 +17,10 @@ backward, which with LoRA computes activation gradients only (the base weights a
 adapters' FLOPs are negligible) -- 1x the forward's matmuls, 2x its attention. The recomputation
 of gradient checkpointing is not counted (the convention of MFU).
 
-Prints one JSON object as its last line: peak_memory_gb, step_s, tokens_per_s, mfu (null on CPU
-or an unknown GPU), device, and the shape and batch measured.
+Prints one JSON object as its last line: peak_memory_gb (tensors allocated; on CPU the process's
+resident peak), peak_reserved_gb (on CUDA what the caching allocator held, fragmentation included:
+the figure to leave room for beside the engine; null on CPU), step_s, tokens_per_s, mfu (null on
+CPU or an unknown GPU), device, and the shape and batch measured.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def build_model(shape: dict, dtype: torch.dtype, device: torch.device, gradient_
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(**shape, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False)
-    config._attn_implementation = models.attention_implementation()
+    config._attn_implementation = models.attention_implementation(dtype)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -146,12 +148,15 @@ def main(argv: list[str] | None = None) -> dict:
         torch.cuda.reset_peak_memory_stats()
     times = [step() for _ in range(args.repeats)]
     peak = torch.cuda.max_memory_allocated() if on_cuda else resident_peak_bytes()
+    # What the allocator held (fragmentation included), the budget the engine must fit beside.
+    reserved = torch.cuda.max_memory_reserved() if on_cuda else None
     step_s = statistics.median(times)
     tokens = len(rollouts.completion_ids) * (args.prompt_len + args.completion_len)
     flops = step_model_flops(shape, len(rollouts.completion_ids), args.prompt_len, args.completion_len)
     peak_flops = peak_tflops(device)
     result = {
         "peak_memory_gb": round(peak / 1e9, 2),
+        "peak_reserved_gb": round(reserved / 1e9, 2) if reserved is not None else None,
         "step_s": round(step_s, 3),
         "tokens_per_s": round(tokens / step_s, 1),
         "mfu": round(flops / step_s / (peak_flops * 1e12), 4) if peak_flops else None,

@@ -1,4 +1,4 @@
-"""models.py: LoRA with gradient checkpointing keeps the adapters' gradient."""
+"""models.py: LoRA with gradient checkpointing keeps the adapters' gradient; full fine-tuning keeps float32 weights."""
 
 import torch
 
@@ -29,3 +29,17 @@ def test_gradient_checkpointing_keeps_the_lora_gradient(tmp_path):
     assert gradients[1].keys() == gradients[0].keys() and all(g.abs().sum() > 0 for g in gradients[1].values())
     for name in gradients[0]:
         torch.testing.assert_close(gradients[1][name], gradients[0][name], atol=1e-5, rtol=1e-4)
+
+
+def test_full_finetuning_keeps_float32_weights_on_cuda_because_bf16_rounds_adamw_steps_away(monkeypatch):
+    """In bf16, an AdamW step of lr = 5e-6 on a weight of 0.02 is lost to rounding (why the trained
+    weights stay float32); LoRA keeps the frozen base in bf16 and gets no flash-attention in float32."""
+    weight = torch.tensor([0.02], dtype=torch.bfloat16)
+    assert torch.equal(weight - 5e-6, weight)  # the update rounds away
+    assert not torch.equal(weight.float() - 5e-6, weight.float())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert models.device_and_dtype(full_finetune=True) == (torch.device("cuda"), torch.float32)
+    assert models.device_and_dtype() == (torch.device("cuda"), torch.bfloat16)
+    assert models.attention_implementation(torch.float32) == "sdpa"
+    # a 7B model: float32 weights, gradients, AdamW's moments and a reference copy, plus a bf16 engine
+    assert round(models.full_finetune_bytes(7_615_616_512, 4, True, True, engine_bytes=2) / 1e9) == 168

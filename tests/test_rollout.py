@@ -104,6 +104,20 @@ def test_out_of_memory_names_the_knob_to_lower(tiny_model_dir):
                             max_num_seqs=10**7)
 
 
+def test_out_of_memory_during_a_weight_push_is_not_called_an_architecture_mismatch():
+    """torch.OutOfMemoryError is a RuntimeError: the push must name memory, not the architecture."""
+
+    class OutOfMemoryLLM:
+        def collective_rpc(self, method, kwargs=None):
+            list(kwargs["weights_iterator"])
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    engine = object.__new__(rollout.VLLMEngine)  # no vLLM start: only the push's error handling
+    engine.llm, engine._asleep, engine.model_path = OutOfMemoryLLM(), set(), "m"
+    with pytest.raises(rollout.RolloutError, match="out of memory pushing the weights .*lower gpu_memory_utilization"):
+        engine.sync_weights(torch.nn.Linear(2, 2))
+
+
 def test_unknown_backend_lists_the_choices(tiny_model_dir):
     with pytest.raises(rollout.RolloutError, match="choose one of vllm, hf"):
         rollout.make_engine(tiny_model_dir, "sglang")
