@@ -9,6 +9,8 @@
   everything with LoRA rank 8). Its reference policy pi_ref is the same weights with the adapter
   switched off: no second copy. Fine-tuning every weight keeps a frozen copy instead, and is
   refused up front when it cannot fit the device.
+* On the CPU, freed activations stay with the process for the next micro-batch (``keep_freed_memory``)
+  instead of going back to the kernel and faulting in again, zero-filled, at their next use.
 * AdamW with linear warmup and linear decay (App. E, Table 8).
 """
 
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
+import ctypes.util
 
 import psutil
 import torch
@@ -76,7 +80,31 @@ def load_base_model(path: str, gradient_checkpointing: bool = False, device: str
         tokenizer.pad_token = tokenizer.eos_token
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if torch.device(device).type == "cpu":
+        keep_freed_memory()
     return model.to(device), tokenizer
+
+
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_memory(largest_reused_block: int = 32 * 2**20, kept_free: int = 2**30) -> bool:
+    """Let glibc's malloc reuse the memory of freed activations instead of returning it to the
+    kernel. By default a block of more than 128 KiB is mapped fresh and unmapped when freed (the
+    cut-off rises to the size of the last freed block, but the heap is trimmed whenever twice that
+    lies free at its top), and every page of a fresh mapping costs a page fault and zero-filling
+    at first touch. A CPU update allocates and frees tens of such blocks per micro-batch (one
+    [64, 127, 512] float32 MLP activation is 16.6 MB); reusing them took bench/vs_trl.py's
+    128-token update from 0.36 s to 0.31 s. Blocks up to ``largest_reused_block`` come from
+    the heap, and up to ``kept_free`` bytes of it stay with the process. Returns whether both
+    settings took (False where the C library is not glibc: nothing changes there)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        mallopt = libc.mallopt
+    except (OSError, TypeError, AttributeError):
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, largest_reused_block)) and bool(mallopt(M_TRIM_THRESHOLD, kept_free))
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
