@@ -5,12 +5,12 @@
   checkpointing for long completions. Fine-tuning every weight keeps them in float32 on CUDA too:
   an AdamW step of lr = 5e-6 is smaller than half a bf16 step of any weight above 2e-3 in size,
   so in bf16 most updates would round away and training would silently stall.
+* On the CPU, freed activations stay with the process for the next micro-batch (``keep_freed_memory``)
+  instead of going back to the kernel and faulting in again, zero-filled, at their next use.
 * The policy is the base with LoRA adapters on the attention and MLP projections (the paper runs
   everything with LoRA rank 8). Its reference policy pi_ref is the same weights with the adapter
   switched off: no second copy. Fine-tuning every weight keeps a frozen copy instead, and is
   refused up front when it cannot fit the device.
-* On the CPU, freed activations stay with the process for the next micro-batch (``keep_freed_memory``)
-  instead of going back to the kernel and faulting in again, zero-filled, at their next use.
 * AdamW with linear warmup and linear decay (App. E, Table 8).
 """
 
@@ -64,27 +64,6 @@ def enable_gradient_checkpointing(model) -> None:
     model.config.use_cache = False
 
 
-def load_base_model(path: str, gradient_checkpointing: bool = False, device: str | None = None,
-                    full_finetune: bool = False):
-    """The base model and tokenizer from a hub name or a local directory, with a clear error;
-    on ``device`` (default: the GPU if there is one), in its dtype."""
-    default_device, dtype = device_and_dtype(full_finetune)
-    device = device or default_device
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_implementation(dtype))
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"error: cannot load model {path!r} ({first_line(error)}); pass a local model "
-                         "directory or a cached hub name") from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    if torch.device(device).type == "cpu":
-        keep_freed_memory()
-    return model.to(device), tokenizer
-
-
 # glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
@@ -105,6 +84,27 @@ def keep_freed_memory(largest_reused_block: int = 32 * 2**20, kept_free: int = 2
     except (OSError, TypeError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, largest_reused_block)) and bool(mallopt(M_TRIM_THRESHOLD, kept_free))
+
+
+def load_base_model(path: str, gradient_checkpointing: bool = False, device: str | None = None,
+                    full_finetune: bool = False):
+    """The base model and tokenizer from a hub name or a local directory, with a clear error;
+    on ``device`` (default: the GPU if there is one), in its dtype."""
+    default_device, dtype = device_and_dtype(full_finetune)
+    device = device or default_device
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_implementation(dtype))
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: cannot load model {path!r} ({first_line(error)}); pass a local model "
+                         "directory or a cached hub name") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if torch.device(device).type == "cpu":
+        keep_freed_memory()
+    return model.to(device), tokenizer
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -12,6 +12,8 @@ import demo
 import loss
 import models
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def test_gradient_checkpointing_keeps_the_lora_gradient(tmp_path):
     """With the adapters the only trainable weights, checkpointed layers must still pass them a
@@ -74,7 +76,6 @@ def test_keep_freed_memory_reuses_freed_activations_without_page_faults():
     (4,096 pages) faults in again. Without it glibc usually unmaps the freed blocks or trims them off
     the heap, and the ten fault ~245k pages (measured; a rare address layout keeps them by luck).
     Its own process: mallopt is process-wide."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    result = subprocess.run([sys.executable, "-c", REUSE_PROGRAM], cwd=repo, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", REUSE_PROGRAM], cwd=REPO, capture_output=True, text=True,
                             check=True)
     assert int(result.stdout.split()[-1]) <= 4096 + 64, result.stdout
