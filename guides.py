@@ -28,7 +28,7 @@ Conventions that matter:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,17 +40,17 @@ NORMALIZATIONS = ("percentile", "rank", "sigmoid")
 class GuideConfig:
     """Parameters of every guide; the defaults are the paper's (section 4.3, App. D)."""
 
-    name: str = "none"
-    """Which guide: none | random (Eq. 9) | token (Eq. 10) | branch (Eq. 11)."""
+    name: str = field(default="none", metadata={"flag": "guide"})
+    """none | random (Eq. 9) | token (Eq. 10) | branch (Eq. 11)."""
     q_min: float = 0.6
-    """Lower clamp of q_t."""
+    """Guide clamp, lower (paper: 0.6)."""
     q_max: float = 1.4
-    """Upper clamp of q_t."""
+    """Guide clamp, upper (paper: 1.4)."""
     # branch (Eq. 11)
     tau: float = 1.2
-    """Branch: entropy threshold in nats above which a position is amplified."""
+    """Branch guide: entropy threshold in nats above which a position is amplified (paper: 1.2)."""
     ratio: float = 0.3
-    """Branch: slope of q_t in the entropy excess H_t - tau."""
+    """Branch guide: slope of q_t in the entropy excess H_t - tau (paper: 0.3)."""
     # random (Eq. 9)
     random_eps: tuple[float, float] = (0.1, 0.0)
     """Random: probability that a token is perturbed, (upper, lower) of its cosine schedule."""
@@ -63,24 +63,31 @@ class GuideConfig:
     """Token: noise scale on the normalized surprisal, (upper, lower) of its cosine schedule."""
     token_normalization: str = "percentile"
     """Token: how surprisal becomes w_t in [0,1] per completion: percentile | rank | sigmoid."""
+    entropy: str = field(default="policy", metadata={"flag": "guide-entropy"})
+    """Whose signals feed the guide: policy (the paper's) | reference (pi_ref's, from the
+    reference pass at no extra cost: Theorem 4.3's q, fixed during the run)."""
     # schedule
-    num_cycles: int = 8
+    num_cycles: int = field(default=8, metadata={"flag": None})
     """Cosine schedule: the run's optimizer steps are cut into this many cycles."""
-    cycle_decay: float = 0.9
+    cycle_decay: float = field(default=0.9, metadata={"flag": None})
     """Cosine schedule: the upper bound is multiplied by this at each new cycle."""
 
     def __post_init__(self):
         if self.name not in GUIDES:
-            raise ValueError(f"unknown guide {self.name!r}: choose one of {', '.join(GUIDES)}")
+            raise ValueError(f"unknown --guide {self.name!r}: choose one of {', '.join(GUIDES)}")
         if not 0.0 < self.q_min <= 1.0 <= self.q_max:
             raise ValueError(
-                f"guide clamp [q_min, q_max] = [{self.q_min}, {self.q_max}] must satisfy "
+                f"--q-min {self.q_min} and --q-max {self.q_max}: the guide clamp must satisfy "
                 "0 < q_min <= 1 <= q_max (q = 1 means 'no change to the anchor')"
             )
         if self.token_normalization not in NORMALIZATIONS:
             raise ValueError(
-                f"unknown token normalization {self.token_normalization!r}: "
+                f"unknown --token-normalization {self.token_normalization!r}: "
                 f"choose one of {', '.join(NORMALIZATIONS)}"
+            )
+        if self.entropy not in ("policy", "reference"):
+            raise ValueError(
+                f"unknown --guide-entropy {self.entropy!r}: choose policy or reference"
             )
         if self.num_cycles < 1:
             raise ValueError(f"num_cycles must be >= 1, got {self.num_cycles}")
@@ -182,7 +189,9 @@ def normalize_per_completion(
         var = (((values - mean) * mask) ** 2).sum(dim=-1, keepdim=True) / count
         w = torch.sigmoid((values - mean) / var.sqrt().clamp_min(1e-6))
     else:
-        raise ValueError(f"unknown normalization {method!r}: choose one of {', '.join(NORMALIZATIONS)}")
+        raise ValueError(
+            f"unknown normalization {method!r}: choose one of {', '.join(NORMALIZATIONS)}"
+        )
     return w * mask
 
 
@@ -191,7 +200,9 @@ def normalize_per_completion(
 # --------------------------------------------------------------------------------------------
 
 
-def random_guide(shape, eps: float, sigma: float, generator: torch.Generator | None) -> torch.Tensor:
+def random_guide(
+    shape, eps: float, sigma: float, generator: torch.Generator | None
+) -> torch.Tensor:
     """Eq. 9: q_t = 1 + sigma * xi_t with probability eps, else 1 (xi_t ~ N(0, 1))."""
     coin = torch.rand(shape, generator=generator) < eps
     noise = torch.randn(shape, generator=generator)

@@ -35,26 +35,52 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import guides  # noqa: E402
-import loss  # noqa: E402
-import models  # noqa: E402
-import sage  # noqa: E402
 from step import make_rollouts  # noqa: E402  (bench/, the script's own directory)
 
-QWEN25_MATH_7B = dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                      intermediate_size=18944, vocab_size=152064)
-SMALL = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=512, vocab_size=4096)
+import guides  # noqa: E402
+import loss  # noqa: E402
+import sage  # noqa: E402
+from bench import common  # noqa: E402
+from machinery import models  # noqa: E402
+
+QWEN25_MATH_7B = dict(
+    hidden_size=3584,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    intermediate_size=18944,
+    vocab_size=152064,
+)
+SMALL = dict(
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=512,
+    vocab_size=4096,
+)
 # Dense bf16 peaks (no sparsity), TFLOP/s, by a substring of torch.cuda.get_device_name().
-BF16_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H100": 989.4, "H200": 989.4, "H800": 989.4,
-                    "B200": 2250.0, "A100": 312.0, "L40S": 362.0}
+BF16_PEAK_TFLOPS = {
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.4,
+    "H200": 989.4,
+    "H800": 989.4,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+}
 
 
-def build_model(shape: dict, dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool):
-    """A randomly initialized Qwen2 of the given shape, created directly on the device in ``dtype``."""
+def build_model(
+    shape: dict, dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool
+):
+    """A randomly initialized Qwen2 of the given shape, created on the device in ``dtype``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**shape, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False)
+    config = Qwen2Config(
+        **shape, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False
+    )
     config._attn_implementation = models.attention_implementation(dtype)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -68,14 +94,18 @@ def build_model(shape: dict, dtype: torch.dtype, device: torch.device, gradient_
     return model
 
 
-def step_model_flops(shape: dict, num_sequences: int, prompt_len: int, completion_len: int) -> float:
+def step_model_flops(
+    shape: dict, num_sequences: int, prompt_len: int, completion_len: int
+) -> float:
     """Model FLOPs of one step (see the module docstring): reference forward + policy forward +
     policy backward (activation gradients only)."""
     d, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
     head_dim = d // shape["num_attention_heads"]
     kv = shape["num_key_value_heads"] * head_dim
     length = prompt_len + completion_len
-    linear = 2 * layers * (d * (d + 2 * kv + d) + 3 * d * shape["intermediate_size"]) * length  # per sequence
+    linear = (
+        2 * layers * (d * (d + 2 * kv + d) + 3 * d * shape["intermediate_size"]) * length
+    )  # per sequence
     attention = 2 * layers * d * length * length  # QK^T and AV, causal (half of 2 x 2 x d x L^2)
     lm_head = 2 * d * vocab * completion_len  # only the completion positions are projected
     forward = linear + attention + lm_head
@@ -102,16 +132,24 @@ def resident_peak_bytes() -> int:
 def main(argv: list[str] | None = None) -> dict:
     on_cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--small", action=argparse.BooleanOptionalAction, default=not on_cuda,
-                        help="a small model and batch (default on CPU); --no-small for the 7B shape")
+    parser.add_argument(
+        "--small",
+        action=argparse.BooleanOptionalAction,
+        default=not on_cuda,
+        help="a small model and batch (default on CPU); --no-small for the 7B shape",
+    )
     parser.add_argument("--prompts", type=int, help="prompts per step (paper: 8; small: 2)")
     parser.add_argument("--rollouts", type=int, help="completions per prompt (paper: 8; small: 4)")
     parser.add_argument("--prompt-len", type=int, help="prompt tokens (256; small: 32)")
     parser.add_argument("--completion-len", type=int, help="completion tokens (1536; small: 64)")
-    parser.add_argument("--micro-batch-size", type=int, default=sage.Config.micro_batch_size)
+    parser.add_argument("--micro-batch-size", type=int, default=4, help="sage.py's default")
     parser.add_argument("--lora-rank", type=int, default=8)
-    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--repeats", type=int, default=2, help="measured steps after one warm-up step")
+    parser.add_argument(
+        "--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="measured steps after one warm-up step"
+    )
     args = parser.parse_args(argv)
     paper = dict(prompts=8, rollouts=8, prompt_len=256, completion_len=1536)
     small = dict(prompts=2, rollouts=4, prompt_len=32, completion_len=64)
@@ -125,20 +163,32 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model(shape, dtype, device, args.gradient_checkpointing)
     policy = models.wrap_lora(model, rank=args.lora_rank, alpha=2 * args.lora_rank)
     optimizer, _ = models.make_optimizer(policy, 1e-6, 0.01, 1000, 10)
-    rollouts, rewards = make_rollouts(args.prompts, args.rollouts, args.prompt_len, args.completion_len,
-                                      shape["vocab_size"], seed=0, full_length=True)
+    rollouts, rewards = make_rollouts(
+        args.prompts,
+        args.rollouts,
+        args.prompt_len,
+        args.completion_len,
+        shape["vocab_size"],
+        seed=0,
+        full_length=True,
+    )
     advantages = loss.compute_advantages(rewards, args.rollouts, "grpo")
-    config = sage.Config(model="bench", rollouts=args.rollouts, micro_batch_size=args.micro_batch_size, guide="branch",
-                         max_seq_len=args.prompt_len + args.completion_len, max_prompt_len=args.prompt_len,
-                         advantage="grpo", loss_agg="grpo", kl="reverse", eps_high=0.2, steps=1000)
-    guide_config = guides.GuideConfig(name="branch", tau=config.tau, ratio=config.ratio)
+    config = sage.Config(
+        model="bench",
+        rollouts=args.rollouts,
+        micro_batch_size=args.micro_batch_size,
+        guide=guides.GuideConfig(name="branch"),
+        steps=1000,
+        max_seq_len=args.prompt_len + args.completion_len,
+        max_prompt_len=args.prompt_len,
+    )
     generator = torch.Generator().manual_seed(0)
 
     def step() -> float:
         if on_cuda:
             torch.cuda.synchronize()
         started = time.perf_counter()
-        sage.update_policy(policy, None, optimizer, rollouts, rewards, advantages, config, guide_config, generator, 0, 0)
+        common.update(policy, optimizer, rollouts, advantages, config, 0, generator)
         if on_cuda:
             torch.cuda.synchronize()
         return time.perf_counter() - started
@@ -152,7 +202,9 @@ def main(argv: list[str] | None = None) -> dict:
     reserved = torch.cuda.max_memory_reserved() if on_cuda else None
     step_s = statistics.median(times)
     tokens = len(rollouts.completion_ids) * (args.prompt_len + args.completion_len)
-    flops = step_model_flops(shape, len(rollouts.completion_ids), args.prompt_len, args.completion_len)
+    flops = step_model_flops(
+        shape, len(rollouts.completion_ids), args.prompt_len, args.completion_len
+    )
     peak_flops = peak_tflops(device)
     result = {
         "peak_memory_gb": round(peak / 1e9, 2),

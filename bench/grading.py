@@ -32,7 +32,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import task  # noqa: E402
+from machinery import task  # noqa: E402
 
 # (reference, equivalent ways to write it, a wrong answer)
 ANSWERS = [
@@ -65,7 +65,11 @@ def make_completions(count: int, seed: int = 0) -> tuple[list[str], list[str]]:
             reference, forms, wrong = ANSWERS[kind]
         else:  # integer answers, as in AIME (a different one per problem)
             value = rng.randint(1, 999)
-            reference, forms, wrong = str(value), [str(value), f"{value}.0", f"\\boxed{{{value}}}"], str(value + 1)
+            reference, forms, wrong = (
+                str(value),
+                [str(value), f"{value}.0", f"\\boxed{{{value}}}"],
+                str(value + 1),
+            )
         for _ in range(8):
             working = " ".join(rng.choice(FILLER) for _ in range(rng.randint(2, 8)))
             roll = rng.random()
@@ -78,7 +82,11 @@ def make_completions(count: int, seed: int = 0) -> tuple[list[str], list[str]]:
             elif roll < 0.95:  # truncated before the answer
                 body = ""
             else:  # garbage
-                body = "<SOLUTION> " + "".join(rng.choice("{}[]()$\\^_xyz0123") for _ in range(40)) + " </SOLUTION>"
+                body = (
+                    "<SOLUTION> "
+                    + "".join(rng.choice("{}[]()$\\^_xyz0123") for _ in range(40))
+                    + " </SOLUTION>"
+                )
             completions.append(f"<start_working_out> {working} <end_working_out>{body}")
             references.append(reference)
     return completions, references
@@ -115,7 +123,9 @@ ADVERSARIAL = [
 ]
 
 
-def serial_vs_pooled(completions, references, warm_c, warm_r, workers: int | None, block: int) -> dict:
+def serial_vs_pooled(
+    completions, references, warm_c, warm_r, workers: int | None, block: int
+) -> dict:
     """Serial and pooled grading take turns on blocks of the same completions, so that both see the
     same background load (this machine may be shared); each side grades all of them exactly once."""
     started = time.perf_counter()
@@ -139,12 +149,23 @@ def serial_vs_pooled(completions, references, warm_c, warm_r, workers: int | Non
         pooled_cpu_s += pool.worker_cpu_seconds() + time.process_time() - cpu
         pooled_wait_s += sum(map(runqueue_wait_s, pids)) - wait
     pool.close()
-    return {"serial": serial, "pooled": pooled, "serial_s": serial_s, "pooled_s": pooled_s,
-            "serial_cpu_s": serial_cpu_s, "pooled_cpu_s": pooled_cpu_s, "serial_wait_s": serial_wait_s,
-            "pooled_wait_s": pooled_wait_s, "pool_startup_s": pool_startup_s, "num_workers": pool.num_workers}
+    return {
+        "serial": serial,
+        "pooled": pooled,
+        "serial_s": serial_s,
+        "pooled_s": pooled_s,
+        "serial_cpu_s": serial_cpu_s,
+        "pooled_cpu_s": pooled_cpu_s,
+        "serial_wait_s": serial_wait_s,
+        "pooled_wait_s": pooled_wait_s,
+        "pool_startup_s": pool_startup_s,
+        "num_workers": pool.num_workers,
+    }
 
 
-def adversarial_run(completions, references, warm_c, warm_r, workers: int | None, timeout: float) -> dict:
+def adversarial_run(
+    completions, references, warm_c, warm_r, workers: int | None, timeout: float
+) -> dict:
     """Adversarial items among normal ones, with a short per-item timeout."""
     normal_c, normal_r = completions[:100], references[:100]
     mixed_c = normal_c[:50] + [c for c, _ in ADVERSARIAL] + normal_c[50:]
@@ -157,16 +178,25 @@ def adversarial_run(completions, references, warm_c, warm_r, workers: int | None
     after = task.grade_batch(normal_c[:20], normal_r[:20], pool=pool)  # still usable
     stats = dict(pool.stats)
     pool.close()
-    return {"adversarial": mixed[50 : 50 + len(ADVERSARIAL)], "normal": mixed[:50] + mixed[50 + len(ADVERSARIAL) :],
-            "seconds": adversarial_s, "after": after, "timeouts": stats["timeouts"]}
+    return {
+        "adversarial": mixed[50 : 50 + len(ADVERSARIAL)],
+        "normal": mixed[:50] + mixed[50 + len(ADVERSARIAL) :],
+        "seconds": adversarial_s,
+        "after": after,
+        "timeouts": stats["timeouts"],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=2000, help="completions graded by both sides")
-    parser.add_argument("--workers", type=int, default=None, help="pool size (default: one per core)")
+    parser.add_argument(
+        "--workers", type=int, default=None, help="pool size (default: one per core)"
+    )
     parser.add_argument("--block", type=int, default=500, help="completions per serial/pooled turn")
-    parser.add_argument("--adversarial-timeout", type=float, default=2.0, help="per-item timeout (s)")
+    parser.add_argument(
+        "--adversarial-timeout", type=float, default=2.0, help="per-item timeout (s)"
+    )
     args = parser.parse_args()
 
     completions, references = make_completions(args.count)
@@ -177,46 +207,57 @@ def main() -> None:
         task.grade(completion, reference)
     speed = serial_vs_pooled(completions, references, warm_c, warm_r, args.workers, args.block)
     serial, serial_s, pooled_s = speed["serial"], speed["serial_s"], speed["pooled_s"]
-    hard = adversarial_run(completions, references, warm_c, warm_r, args.workers, args.adversarial_timeout)
+    hard = adversarial_run(
+        completions, references, warm_c, warm_r, args.workers, args.adversarial_timeout
+    )
     # Worst case: every adversarial item runs to its timeout, one after another, plus a worker
     # restart (a fresh interpreter importing math-verify, about a second) each.
     bound_s = len(ADVERSARIAL) * (args.adversarial_timeout + 3.0) + 10.0
     cores_free = free_cores(speed["num_workers"])
-    print(json.dumps({
-        "num_completions": len(completions),
-        # Cores that as many plain busy loops as workers obtain on this machine right now: the
-        # ceiling of any speedup here (2.0 on an idle 2-core machine).
-        "free_cores_measured": round(cores_free, 2),
-        "load_average_1min": round(os.getloadavg()[0], 2),
-        "num_workers": speed["num_workers"],
-        "cpu_cores": len(os.sched_getaffinity(0)),
-        "serial_s": round(serial_s, 3),
-        "pooled_s": round(pooled_s, 3),
-        "pooled_over_serial_speedup": round(serial_s / pooled_s, 3),
-        "serial_ms_per_item": round(1e3 * serial_s / len(completions), 3),
-        # CPU seconds spent (pooled: workers + this process): equal values mean no pool overhead,
-        # so on an idle machine the speedup would approach the number of workers.
-        "serial_cpu_s": round(speed["serial_cpu_s"], 3),
-        "pooled_cpu_s": round(speed["pooled_cpu_s"], 3),
-        # Time runnable but waiting for a CPU held by other processes (a shared machine): the
-        # serial loop's share of its wall time, and the workers' mean share of theirs.
-        "serial_cpu_wait_fraction": round(speed["serial_wait_s"] / serial_s, 3),
-        "pooled_workers_cpu_wait_fraction": round(speed["pooled_wait_s"] / speed["num_workers"] / pooled_s, 3),
-        "pool_startup_s": round(speed["pool_startup_s"], 3),
-        "results_agree": serial == speed["pooled"],
-        "fraction_correct": round(sum(serial) / len(serial), 3),
-        "adversarial_items": len(ADVERSARIAL),
-        "adversarial_timeout_s": args.adversarial_timeout,
-        "adversarial_batch_s": round(hard["seconds"], 3),
-        "adversarial_batch_bound_s": bound_s,
-        "adversarial_timeouts_counted": hard["timeouts"],
-        "adversarial_all_wrong": not any(hard["adversarial"]),
-        "adversarial_normal_items_unchanged": hard["normal"] == serial[:100],
-        "adversarial_within_timeout": (
-            not any(hard["adversarial"]) and hard["normal"] == serial[:100] and hard["seconds"] <= bound_s
-            and hard["timeouts"] >= 1 and hard["after"] == serial[:20]
-        ),
-    }))
+    print(
+        json.dumps(
+            {
+                "num_completions": len(completions),
+                # Cores that as many plain busy loops as workers obtain on this machine right now:
+                # the ceiling of any speedup here (2.0 on an idle 2-core machine).
+                "free_cores_measured": round(cores_free, 2),
+                "load_average_1min": round(os.getloadavg()[0], 2),
+                "num_workers": speed["num_workers"],
+                "cpu_cores": len(os.sched_getaffinity(0)),
+                "serial_s": round(serial_s, 3),
+                "pooled_s": round(pooled_s, 3),
+                "pooled_over_serial_speedup": round(serial_s / pooled_s, 3),
+                "serial_ms_per_item": round(1e3 * serial_s / len(completions), 3),
+                # CPU seconds spent (pooled: workers + this process): equal values mean no pool
+                # overhead, so on an idle machine the speedup would approach the number of workers.
+                "serial_cpu_s": round(speed["serial_cpu_s"], 3),
+                "pooled_cpu_s": round(speed["pooled_cpu_s"], 3),
+                # Time runnable but waiting for a CPU held by other processes (a shared machine):
+                # the serial loop's share of its wall time, and the workers' mean share of theirs.
+                "serial_cpu_wait_fraction": round(speed["serial_wait_s"] / serial_s, 3),
+                "pooled_workers_cpu_wait_fraction": round(
+                    speed["pooled_wait_s"] / speed["num_workers"] / pooled_s, 3
+                ),
+                "pool_startup_s": round(speed["pool_startup_s"], 3),
+                "results_agree": serial == speed["pooled"],
+                "fraction_correct": round(sum(serial) / len(serial), 3),
+                "adversarial_items": len(ADVERSARIAL),
+                "adversarial_timeout_s": args.adversarial_timeout,
+                "adversarial_batch_s": round(hard["seconds"], 3),
+                "adversarial_batch_bound_s": bound_s,
+                "adversarial_timeouts_counted": hard["timeouts"],
+                "adversarial_all_wrong": not any(hard["adversarial"]),
+                "adversarial_normal_items_unchanged": hard["normal"] == serial[:100],
+                "adversarial_within_timeout": (
+                    not any(hard["adversarial"])
+                    and hard["normal"] == serial[:100]
+                    and hard["seconds"] <= bound_s
+                    and hard["timeouts"] >= 1
+                    and hard["after"] == serial[:20]
+                ),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
-"""Peak memory and time of loss.py's log-prob + entropy path vs a naive float32 one.
+"""Peak memory and time of the trainer's log-prob + entropy kernel vs a naive float32 path.
 
 Both paths take the same logits [batch, length, vocab] (vocab 32768, length 1024, batch 4 by
 default), compute the sampled tokens' log-probs and the full-vocabulary entropies, and run the
 backward of a random linear function of the log-probs:
 
     naive:  z = logits.float() / T; logp_all = log_softmax(z); entropy from softmax(z) * logp_all
-    ours:   loss.token_logps_and_entropies (row chunks, a chunked backward that writes the
-            gradient into the logits' own storage, as the trainer uses it)
+            (what loss.token_logps_and_entropies, the definition, does too)
+    ours:   machinery/fast_logprobs.py's chunked_token_logps_and_entropies (row chunks, a
+            chunked backward that writes the gradient into the logits' own storage, as the
+            trainer uses it through loss.completion_logps)
 
 Memory is what each path adds on top of the logits it is given, at its peak, forward and
 backward together (the gradient of the logits included). On CUDA it is read from the caching
@@ -32,7 +34,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import loss  # noqa: E402
+from machinery.fast_logprobs import chunked_token_logps_and_entropies  # noqa: E402
 
 MiB = 2**20
 
@@ -49,9 +51,11 @@ def naive_logps_and_entropies(logits: torch.Tensor, token_ids: torch.Tensor, tem
 
 PATHS = {
     "naive": naive_logps_and_entropies,
-    "ours": lambda logits, ids, temperature: loss.token_logps_and_entropies(logits, ids, temperature),
+    "ours": lambda logits, ids, temperature: chunked_token_logps_and_entropies(
+        logits, ids, temperature
+    ),
     # The same chunked path with a fresh gradient tensor (inplace_backward=False), for reference.
-    "ours_copy_grad": lambda logits, ids, temperature: loss.token_logps_and_entropies(
+    "ours_copy_grad": lambda logits, ids, temperature: chunked_token_logps_and_entropies(
         logits, ids, temperature, inplace_backward=False
     ),
 }
@@ -61,7 +65,11 @@ def make_inputs(args, device):
     generator = torch.Generator(device="cpu").manual_seed(0)
     shape = (args.batch, args.length, args.vocab)
     dtype = getattr(torch, args.dtype)
-    logits = (torch.randn(shape, generator=generator) * 2.0).to(device=device, dtype=dtype).requires_grad_()
+    logits = (
+        (torch.randn(shape, generator=generator) * 2.0)
+        .to(device=device, dtype=dtype)
+        .requires_grad_()
+    )
     token_ids = torch.randint(0, args.vocab, shape[:2], generator=generator).to(device)
     upstream = torch.randn(shape[:2], generator=generator).to(device)
     return logits, token_ids, upstream
@@ -137,7 +145,9 @@ def main():
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--dtype", default="float32", help="dtype of the given logits (float32 or bfloat16)")
+    parser.add_argument(
+        "--dtype", default="float32", help="dtype of the given logits (float32 or bfloat16)"
+    )
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
@@ -162,7 +172,14 @@ def main():
             )
             peaks[name] = json.loads(child.stdout.strip().splitlines()[-1])["peak_mib"]
     times = {name: measure_time(name, args, args.device) for name in PATHS}
-    logits_mib = args.batch * args.length * args.vocab * torch.finfo(getattr(torch, args.dtype)).bits / 8 / MiB
+    logits_mib = (
+        args.batch
+        * args.length
+        * args.vocab
+        * torch.finfo(getattr(torch, args.dtype)).bits
+        / 8
+        / MiB
+    )
     result = {
         "peak_memory_ratio": round(peaks["ours"] / peaks["naive"], 4),
         "time_ratio": round(times["ours"] / times["naive"], 4),

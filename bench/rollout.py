@@ -1,4 +1,4 @@
-"""Rollouts from vLLM vs transformers generate, side by side, on the same model, weights and prompts.
+"""Rollouts from vLLM vs transformers generate, side by side: same model, weights and prompts.
 
 One run, one process, one small random Qwen2 (hidden 512, 4 layers, head size 64), built by code:
 
@@ -39,10 +39,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import demo  # noqa: E402
 import loss  # noqa: E402
 import rollout  # noqa: E402
-import task  # noqa: E402
+from extras import demo  # noqa: E402
+from machinery import task  # noqa: E402
 
 MIN_P_TOLERANCE = 2e-4  # in logits / T; >= 3x the largest engine-trainer log-prob gap without min-p
 QUESTIONS = (
@@ -62,9 +62,13 @@ def parse_args(argv=None):
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--min-p", type=float, default=0.01)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per engine after one warm-up")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs per engine after one warm-up"
+    )
     parser.add_argument("--max-model-len", type=int, default=512)
-    parser.add_argument("--enforce-eager", type=int, default=-1, help="1/0; -1: rollout.py's default")
+    parser.add_argument(
+        "--enforce-eager", type=int, default=-1, help="1/0; -1: rollout.py's default"
+    )
     return parser.parse_args(argv)
 
 
@@ -73,7 +77,10 @@ def chat_prompts(tokenizer, count: int) -> list[list[int]]:
     prompts = []
     for i in range(count):
         question = QUESTIONS[i % len(QUESTIONS)].format(a=17 * i + 3, b=i + 2)
-        messages = [{"role": "system", "content": task.SYSTEM_PROMPT}, {"role": "user", "content": question}]
+        messages = [
+            {"role": "system", "content": task.SYSTEM_PROMPT},
+            {"role": "user", "content": question},
+        ]
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         prompts.append(list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded))
     return prompts
@@ -97,7 +104,9 @@ def perturbed_policy(model_dir: str, scale: float = 0.1) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def trainer_logprobs(model, prompt: list[int], completions: list[rollout.Completion], temperature, min_p):
+def trainer_logprobs(
+    model, prompt: list[int], completions: list[rollout.Completion], temperature, min_p
+):
     """log pi(y_t) of each completion under the trainer, as the loss computes them (float32),
     and whether the min-p mask at each position is ambiguous (a token at its threshold)."""
     width = max(len(c.token_ids) for c in completions)
@@ -115,7 +124,10 @@ def trainer_logprobs(model, prompt: list[int], completions: list[rollout.Complet
         ambiguous = (margin.abs() < MIN_P_TOLERANCE).any(dim=-1)  # [n, T]
     else:
         ambiguous = torch.zeros(logps.shape, dtype=torch.bool)
-    return [(logps[row, : len(c.token_ids)], ambiguous[row, : len(c.token_ids)]) for row, c in enumerate(completions)]
+    return [
+        (logps[row, : len(c.token_ids)], ambiguous[row, : len(c.token_ids)])
+        for row, c in enumerate(completions)
+    ]
 
 
 def timed(engine, prompts, sampling):
@@ -128,14 +140,23 @@ def timed(engine, prompts, sampling):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as model_dir:
-        demo.save_tiny_model(model_dir, hidden_size=args.hidden_size, num_layers=args.layers,
-                             num_heads=args.hidden_size // 64, max_position_embeddings=args.max_model_len)
+        demo.save_tiny_model(
+            model_dir,
+            hidden_size=args.hidden_size,
+            num_layers=args.layers,
+            num_heads=args.hidden_size // 64,
+            max_position_embeddings=args.max_model_len,
+        )
         policy = perturbed_policy(model_dir)
         extra = {} if args.enforce_eager < 0 else {"enforce_eager": bool(args.enforce_eager)}
         start = time.perf_counter()
-        vllm_engine = rollout.make_engine(model_dir, "vllm", max_model_len=args.max_model_len, dtype="float32", **extra)
+        vllm_engine = rollout.make_engine(
+            model_dir, "vllm", max_model_len=args.max_model_len, dtype="float32", **extra
+        )
         startup_s = time.perf_counter() - start
-        hf_engine = rollout.make_engine(model_dir, "hf", max_model_len=args.max_model_len, model=policy)
+        hf_engine = rollout.make_engine(
+            model_dir, "hf", max_model_len=args.max_model_len, model=policy
+        )
         prompts = chat_prompts(hf_engine.tokenizer, args.prompts)
 
         start = time.perf_counter()
@@ -146,13 +167,22 @@ def main(argv=None) -> dict:
         vllm_greedy = vllm_engine.generate(prompts, greedy)  # also vLLM's warm-up
         hf_greedy = hf_engine.generate(prompts, greedy)
         greedy_match = all(a[0].token_ids == b[0].token_ids for a, b in zip(vllm_greedy, hf_greedy))
-        distinct = statistics.mean(len(set(g[0].token_ids)) / len(g[0].token_ids) for g in hf_greedy)
+        distinct = statistics.mean(
+            len(set(g[0].token_ids)) / len(g[0].token_ids) for g in hf_greedy
+        )
 
         def sampling(seed):
-            return rollout.SamplingConfig(n=args.n, temperature=args.temperature, min_p=args.min_p,
-                                          max_tokens=args.max_tokens, seed=seed)
+            return rollout.SamplingConfig(
+                n=args.n,
+                temperature=args.temperature,
+                min_p=args.min_p,
+                max_tokens=args.max_tokens,
+                seed=seed,
+            )
 
-        warm_up = rollout.SamplingConfig(n=args.n, temperature=args.temperature, min_p=args.min_p, max_tokens=8)
+        warm_up = rollout.SamplingConfig(
+            n=args.n, temperature=args.temperature, min_p=args.min_p, max_tokens=8
+        )
         timed(vllm_engine, prompts, warm_up)  # warm-up at the timed batch shape
         timed(hf_engine, prompts, warm_up)
         rates = {"vllm": [], "hf": []}
@@ -168,7 +198,9 @@ def main(argv=None) -> dict:
 
         diffs, ambiguous = [], []
         for prompt, group in zip(prompts, vllm_samples):
-            for c, (ref, unsure) in zip(group, trainer_logprobs(policy, prompt, group, args.temperature, args.min_p)):
+            for c, (ref, unsure) in zip(
+                group, trainer_logprobs(policy, prompt, group, args.temperature, args.min_p)
+            ):
                 diffs.append((torch.tensor(c.logprobs) - ref).abs())
                 ambiguous.append(unsure)
         diffs, ambiguous = torch.cat(diffs), torch.cat(ambiguous)
@@ -188,7 +220,10 @@ def main(argv=None) -> dict:
         "hf_seconds": [round(s, 2) for s in seconds["hf"]],
         "vllm_startup_s": round(startup_s, 1),
         "sync_weights_s": round(sync_s, 3),
-        "shape": f"{args.prompts} prompts x n={args.n} x {args.max_tokens} tokens, prompt {len(prompts[0])} tokens",
+        "shape": (
+            f"{args.prompts} prompts x n={args.n} x {args.max_tokens} tokens, "
+            f"prompt {len(prompts[0])} tokens"
+        ),
         "torch_threads": torch.get_num_threads(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }

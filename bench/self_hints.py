@@ -23,27 +23,63 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-import demo  # noqa: E402
+from extras import demo  # noqa: E402
 
-ENV = {**os.environ, "GOMP_SPINCOUNT": "100000", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-       "TOKENIZERS_PARALLELISM": "false"}
-DEMO_FLAGS = ["--prompts-per-step", "8", "--rollouts", "8", "--micro-batch-size", "64", "--lora-rank", "16",
-              "--lora-alpha", "32", "--lr", "5e-4", "--warmup-ratio", "0.05", "--guide", "branch", "--max-seq-len", "640",
-              "--max-prompt-len", "576", "--no-gradient-checkpointing", "--gpu-memory-utilization", "0.2",
-              "--eval-temperature", "1.0", "--eval-top-p", "1.0"]
+ENV = {
+    **os.environ,
+    "GOMP_SPINCOUNT": "100000",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+DEMO_FLAGS = [
+    "--prompts-per-step",
+    "8",
+    "--rollouts",
+    "8",
+    "--micro-batch-size",
+    "64",
+    "--lora-rank",
+    "16",
+    "--lora-alpha",
+    "32",
+    "--lr",
+    "5e-4",
+    "--warmup-ratio",
+    "0.05",
+    "--guide",
+    "branch",
+    "--max-seq-len",
+    "640",
+    "--max-prompt-len",
+    "576",
+    "--no-gradient-checkpointing",
+    "--gpu-memory-utilization",
+    "0.2",
+    "--eval-temperature",
+    "1.0",
+    "--eval-top-p",
+    "1.0",
+]
 
 
 def run(command: list[str]) -> None:
-    result = subprocess.run([sys.executable, *command], cwd=REPO, env=ENV, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, *command], cwd=REPO, env=ENV, capture_output=True, text=True
+    )
     if result.returncode != 0:
-        raise SystemExit(f"bench/self_hints.py: {' '.join(command[:3])} failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(
+            f"bench/self_hints.py: {' '.join(command[:3])} failed:\n{result.stderr[-3000:]}"
+        )
 
 
 def summary(run_dir: str) -> dict:
     with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
         rows = [json.loads(line) for line in handle]
     return {
-        "prompt_usage_rate": round(1 - statistics.fmean(row["frac_zero_signal_groups"] for row in rows), 4),
+        "prompt_usage_rate": round(
+            1 - statistics.fmean(row["frac_zero_signal_groups"] for row in rows), 4
+        ),
         "groups_hinted": sum(row.get("hints/groups_hinted", 0) for row in rows),
         "groups_solved_by_hint": sum(row.get("hints/groups_solved_by_hint", 0) for row in rows),
         "leaked": sum(row.get("hints/leaked", 0) for row in rows),
@@ -57,7 +93,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
-        run(["sage.py", "--out", workdir, "--name", "sft", "--sft-only"])
+        run(["-m", "extras.demo", "--out", workdir, "--name", "sft", "--sft-only"])
         train, _ = demo.demo_problems(3407, 100)
         hard = os.path.join(workdir, "hard.jsonl")
         with open(hard, "w") as handle:
@@ -65,9 +101,29 @@ def main() -> None:
         model = os.path.join(workdir, "sft", "sft_model")
         result = {}
         for name, extra in (("plain", []), ("self_hints", ["--self-hints"])):
-            run(["sage.py", "--model", model, "--dataset", hard, "--problem-key", "problem", "--answer-key", "answer",
-                 "--solution-key", "working", "--steps", str(args.steps), "--out", workdir, "--name", name,
-                 *DEMO_FLAGS, *extra])
+            run(
+                [
+                    "sage.py",
+                    "--model",
+                    model,
+                    "--dataset",
+                    hard,
+                    "--problem-key",
+                    "problem",
+                    "--answer-key",
+                    "answer",
+                    "--solution-key",
+                    "working",
+                    "--steps",
+                    str(args.steps),
+                    "--out",
+                    workdir,
+                    "--name",
+                    name,
+                    *DEMO_FLAGS,
+                    *extra,
+                ]
+            )
             result[name] = summary(os.path.join(workdir, name))
             print(f"{name}: {result[name]}", file=sys.stderr)
     print(json.dumps(result))

@@ -22,15 +22,23 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import demo  # noqa: E402
 import guides  # noqa: E402
 import loss  # noqa: E402
-import models  # noqa: E402
 import sage  # noqa: E402
+from bench import common  # noqa: E402
+from extras import demo  # noqa: E402
+from machinery import models  # noqa: E402
 
 
-def make_rollouts(num_prompts: int, group_size: int, prompt_len: int, completion_len: int, vocab: int, seed: int,
-                  full_length: bool = False):
+def make_rollouts(
+    num_prompts: int,
+    group_size: int,
+    prompt_len: int,
+    completion_len: int,
+    vocab: int,
+    seed: int,
+    full_length: bool = False,
+):
     """Random rollouts and rewards: completions of completion_len // 2 to completion_len tokens
     (all of completion_len with ``full_length``)."""
     rng = random.Random(seed)
@@ -38,13 +46,22 @@ def make_rollouts(num_prompts: int, group_size: int, prompt_len: int, completion
     for _ in range(num_prompts):
         prompt = [rng.randrange(10, vocab) for _ in range(prompt_len)]
         for _ in range(group_size):
-            length = completion_len if full_length else rng.randint(completion_len // 2, completion_len)
+            length = (
+                completion_len if full_length else rng.randint(completion_len // 2, completion_len)
+            )
             prompts.append(prompt)
             completions.append([rng.randrange(10, vocab) for _ in range(length)])
     rewards = torch.tensor([float(rng.random() < 0.5) for _ in completions])
     count = len(completions)
-    rollouts = sage.Rollouts(prompts, completions, [""] * count, ["stop"] * count,
-                             [[0.0] * len(c) for c in completions], [""] * count, ["0"] * count)
+    rollouts = sage.Rollouts(
+        prompts,
+        completions,
+        [""] * count,
+        ["stop"] * count,
+        [[0.0] * len(c) for c in completions],
+        [""] * count,
+        ["0"] * count,
+    )
     return rollouts, rewards
 
 
@@ -62,23 +79,40 @@ def main():
 
     torch.manual_seed(0)
     tokenizer = demo.build_tiny_tokenizer()
-    model = demo.build_tiny_model(tokenizer, hidden_size=args.hidden_size, num_layers=args.layers,
-                                  num_heads=args.hidden_size // 64, max_position_embeddings=1024)
+    model = demo.build_tiny_model(
+        tokenizer,
+        hidden_size=args.hidden_size,
+        num_layers=args.layers,
+        num_heads=args.hidden_size // 64,
+        max_position_embeddings=1024,
+    )
     policy = models.wrap_lora(model, rank=8, alpha=16)
     optimizer, _ = models.make_optimizer(policy, 1e-6, 0.01, 1000, 10)
-    rollouts, rewards = make_rollouts(args.prompts, args.rollouts, args.prompt_len, args.completion_len,
-                                      model.config.vocab_size, seed=0)
+    rollouts, rewards = make_rollouts(
+        args.prompts,
+        args.rollouts,
+        args.prompt_len,
+        args.completion_len,
+        model.config.vocab_size,
+        seed=0,
+    )
     advantages = loss.compute_advantages(rewards, args.rollouts, "grpo")
     generator = torch.Generator().manual_seed(0)
 
     def step(guide_name: str) -> float:
-        config = sage.Config(model="bench", rollouts=args.rollouts, micro_batch_size=args.micro_batch_size,
-                             advantage="grpo", loss_agg="grpo", kl="reverse", eps_high=0.2, guide=guide_name,
-                             max_seq_len=args.prompt_len + args.completion_len, steps=1000)
-        guide_config = guides.GuideConfig(name=guide_name)
+        config = sage.Config(
+            model="bench",
+            rollouts=args.rollouts,
+            micro_batch_size=args.micro_batch_size,
+            guide=guides.GuideConfig(name=guide_name),
+            steps=1000,
+            max_seq_len=args.prompt_len + args.completion_len,
+            max_prompt_len=args.prompt_len,
+        )
         started = time.perf_counter()
-        sage.update_policy(policy, None, optimizer, rollouts, rewards, advantages, config, guide_config, generator, 0,
-                           tokenizer.pad_token_id)
+        common.update(
+            policy, optimizer, rollouts, advantages, config, tokenizer.pad_token_id, generator
+        )
         return time.perf_counter() - started
 
     step("none"), step("branch")  # warm-up
@@ -87,14 +121,18 @@ def main():
         for name in ("none", "branch"):
             times[name].append(step(name))
     grpo, branch = statistics.median(times["none"]), statistics.median(times["branch"])
-    print(json.dumps({
-        "branch_over_grpo_step_time": round(branch / grpo, 4),
-        "grpo_step_s": round(grpo, 4),
-        "branch_step_s": round(branch, 4),
-        "sequences_per_step": len(rollouts.completion_ids),
-        "repeats": args.repeats,
-        "threads": torch.get_num_threads(),
-    }))
+    print(
+        json.dumps(
+            {
+                "branch_over_grpo_step_time": round(branch / grpo, 4),
+                "grpo_step_s": round(grpo, 4),
+                "branch_step_s": round(branch, 4),
+                "sequences_per_step": len(rollouts.completion_ids),
+                "repeats": args.repeats,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

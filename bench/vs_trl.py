@@ -30,52 +30,137 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-import demo  # noqa: E402
+from extras import demo  # noqa: E402
 
-ENV = {**os.environ, "GOMP_SPINCOUNT": "100000", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-       "TOKENIZERS_PARALLELISM": "false"}
+ENV = {
+    **os.environ,
+    "GOMP_SPINCOUNT": "100000",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 # The knobs both trainers get, with sage.py's flag names (trl_sage.py uses the same).
-SHARED = ["--prompts-per-step", "8", "--rollouts", "8", "--micro-batch-size", "64", "--lora-rank", "16",
-          "--lora-alpha", "32", "--lr", "5e-4", "--beta", "0.05", "--guide", "branch", "--max-prompt-len", "96",
-          "--no-gradient-checkpointing", "--seed", "3407"]
+SHARED = [
+    "--prompts-per-step",
+    "8",
+    "--rollouts",
+    "8",
+    "--micro-batch-size",
+    "64",
+    "--lora-rank",
+    "16",
+    "--lora-alpha",
+    "32",
+    "--lr",
+    "5e-4",
+    "--beta",
+    "0.05",
+    "--guide",
+    "branch",
+    "--max-prompt-len",
+    "96",
+    "--no-gradient-checkpointing",
+    "--seed",
+    "3407",
+]
 PHASES = ("rollout", "reward", "reference", "update", "sync", "other")
 
 
 def run(command: list[str]) -> None:
     result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True)
     if result.returncode != 0:
-        raise SystemExit(f"bench/vs_trl.py: {' '.join(command[:3])} failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(
+            f"bench/vs_trl.py: {' '.join(command[:3])} failed:\n{result.stderr[-3000:]}"
+        )
 
 
 def prepare(workdir: str) -> dict[str, str]:
     """The two models and the demo's training problems as a local dataset file."""
-    run([sys.executable, "sage.py", "--out", workdir, "--name", "sft", "--steps", "1", "--eval-every", "0"])
+    run([sys.executable, "-m", "extras.demo", "--out", workdir, "--name", "sft", "--sft-only"])
     train, _ = demo.demo_problems(3407, 100)
     dataset = os.path.join(workdir, "train.jsonl")
     with open(dataset, "w") as handle:
-        handle.writelines(json.dumps({"prompt": p["problem"], "solution": p["answer"]}) + "\n" for p in train)
-    untrained = demo.save_tiny_model(os.path.join(workdir, "untrained"), seed=1, max_position_embeddings=256)
-    return {"dataset": dataset, "demo": os.path.join(workdir, "sft", "sft_model"), "long": untrained}
+        handle.writelines(
+            json.dumps({"prompt": p["problem"], "solution": p["answer"]}) + "\n" for p in train
+        )
+    untrained = demo.save_tiny_model(
+        os.path.join(workdir, "untrained"), seed=1, max_position_embeddings=256
+    )
+    return {
+        "dataset": dataset,
+        "demo": os.path.join(workdir, "sft", "sft_model"),
+        "long": untrained,
+    }
 
 
-def sage_steps(model: str, dataset: str, max_seq_len: int, steps: int, warmup: int, out: str) -> dict:
-    run([sys.executable, "sage.py", "--model", model, "--dataset", dataset, "--max-seq-len", str(max_seq_len),
-         "--steps", str(steps), "--out", out, "--name", "sage", "--gpu-memory-utilization", "0.2", *SHARED])
+def sage_steps(
+    model: str, dataset: str, max_seq_len: int, steps: int, warmup: int, out: str
+) -> dict:
+    run(
+        [
+            sys.executable,
+            "sage.py",
+            "--model",
+            model,
+            "--dataset",
+            dataset,
+            "--max-seq-len",
+            str(max_seq_len),
+            "--steps",
+            str(steps),
+            "--out",
+            out,
+            "--name",
+            "sage",
+            "--gpu-memory-utilization",
+            "0.2",
+            *SHARED,
+        ]
+    )
     with open(os.path.join(out, "sage", "metrics.jsonl")) as handle:
         rows = [json.loads(line) for line in handle][warmup:]
-    breakdown = {phase: statistics.fmean(row.get(f"time/{phase}_s", 0.0) for row in rows) for phase in PHASES}
-    return {"step_s": statistics.fmean(row["time/step_s"] for row in rows),
-            "completion_tokens": statistics.fmean(row["response_length"] for row in rows), "breakdown": breakdown}
+    breakdown = {
+        phase: statistics.fmean(row.get(f"time/{phase}_s", 0.0) for row in rows) for phase in PHASES
+    }
+    return {
+        "step_s": statistics.fmean(row["time/step_s"] for row in rows),
+        "completion_tokens": statistics.fmean(row["response_length"] for row in rows),
+        "breakdown": breakdown,
+    }
 
 
-def trl_steps(model: str, dataset: str, max_seq_len: int, steps: int, warmup: int, out: str) -> dict:
-    run([sys.executable, "trl_sage.py", "--model", model, "--dataset", dataset, "--max-seq-len", str(max_seq_len),
-         "--steps", str(steps), "--out", out, "--name", "trl", "--no-use-vllm", "--save-every", str(10 * steps),
-         *SHARED])
+def trl_steps(
+    model: str, dataset: str, max_seq_len: int, steps: int, warmup: int, out: str
+) -> dict:
+    run(
+        [
+            sys.executable,
+            "-m",
+            "extras.trl_sage",
+            "--model",
+            model,
+            "--dataset",
+            dataset,
+            "--max-seq-len",
+            str(max_seq_len),
+            "--steps",
+            str(steps),
+            "--out",
+            out,
+            "--name",
+            "trl",
+            "--no-use-vllm",
+            "--save-every",
+            str(10 * steps),
+            *SHARED,
+        ]
+    )
     with open(os.path.join(out, "trl", "metrics.jsonl")) as handle:
         rows = [row for row in map(json.loads, handle) if "step_time" in row][warmup:]
-    return {"step_s": statistics.fmean(row["step_time"] for row in rows),
-            "completion_tokens": statistics.fmean(row["completions/mean_length"] for row in rows)}
+    return {
+        "step_s": statistics.fmean(row["step_time"] for row in rows),
+        "completion_tokens": statistics.fmean(row["completions/mean_length"] for row in rows),
+    }
 
 
 def main() -> None:
@@ -88,17 +173,28 @@ def main() -> None:
         paths = prepare(workdir)
         for shape, max_seq_len in (("demo", 160), ("long", 96 + 128)):
             out = os.path.join(workdir, shape)
-            ours = sage_steps(paths[shape], paths["dataset"], max_seq_len, args.steps, args.warmup, out)
-            theirs = trl_steps(paths[shape], paths["dataset"], max_seq_len, args.steps, args.warmup, out)
+            ours = sage_steps(
+                paths[shape], paths["dataset"], max_seq_len, args.steps, args.warmup, out
+            )
+            theirs = trl_steps(
+                paths[shape], paths["dataset"], max_seq_len, args.steps, args.warmup, out
+            )
             result[shape] = {
-                "sage_step_s": round(ours["step_s"], 4), "trl_step_s": round(theirs["step_s"], 4),
+                "sage_step_s": round(ours["step_s"], 4),
+                "trl_step_s": round(theirs["step_s"], 4),
                 "trl_over_sage": round(theirs["step_s"] / ours["step_s"], 3),
                 "sage_completion_tokens": round(ours["completion_tokens"], 1),
                 "trl_completion_tokens": round(theirs["completion_tokens"], 1),
-                "sage_breakdown_s": {phase: round(seconds, 4) for phase, seconds in ours["breakdown"].items()},
+                "sage_breakdown_s": {
+                    phase: round(seconds, 4) for phase, seconds in ours["breakdown"].items()
+                },
             }
-            print(f"{shape}: sage.py {ours['step_s']:.3f} s/step ({ours['completion_tokens']:.0f} tokens), "
-                  f"TRL {theirs['step_s']:.3f} s/step ({theirs['completion_tokens']:.0f} tokens)", file=sys.stderr)
+            print(
+                f"{shape}: sage.py {ours['step_s']:.3f} s/step "
+                f"({ours['completion_tokens']:.0f} tokens), "
+                f"TRL {theirs['step_s']:.3f} s/step ({theirs['completion_tokens']:.0f} tokens)",
+                file=sys.stderr,
+            )
     print(json.dumps(result))
 
 

@@ -7,9 +7,8 @@ import random
 
 import pytest
 
-import analysis
-import demo
 import evaluate
+from extras import analysis, demo
 
 
 def write_jsonl(path, rows):
@@ -23,27 +22,60 @@ def test_patterns_and_plot_subcommands_on_saved_results(tmp_path):
     samples = tmp_path / "base"
     samples.mkdir()
     rows = [
-        {"benchmark": "b", "seed": 0, "problem_index": 0, "problem": "p", "answer": "1", "prompt_ids": [1],
-         "completions": [{"text": "Let x be 1.", "correct": True}, {"text": "Direct.", "correct": True},
-                         {"text": "Let y be 2.", "correct": False}]},
-        {"benchmark": "b", "seed": 0, "problem_index": 1, "problem": "q", "answer": "2", "prompt_ids": [1],
-         "completions": [{"text": "Assume for contradiction that ...", "correct": True}]},
+        {
+            "benchmark": "b",
+            "seed": 0,
+            "problem_index": 0,
+            "problem": "p",
+            "answer": "1",
+            "prompt_ids": [1],
+            "completions": [
+                {"text": "Let x be 1.", "correct": True},
+                {"text": "Direct.", "correct": True},
+                {"text": "Let y be 2.", "correct": False},
+            ],
+        },
+        {
+            "benchmark": "b",
+            "seed": 0,
+            "problem_index": 1,
+            "problem": "q",
+            "answer": "2",
+            "prompt_ids": [1],
+            "completions": [{"text": "Assume for contradiction that ...", "correct": True}],
+        },
     ]
     path = write_jsonl(samples / "b.seed0.jsonl", rows)
-    assert evaluate.main(["patterns", f"base={path}", "--out", str(tmp_path / "patterns.json")]) == 0
+    assert (
+        evaluate.main(["patterns", f"base={path}", "--out", str(tmp_path / "patterns.json")]) == 0
+    )
     with open(tmp_path / "patterns.json") as handle:
         table = json.load(handle)
     # Eq. 13 by hand: constraint setup (1/2 + 0) / 2, contradiction (0 + 1) / 2.
-    assert table["base"] == {"constraint_setup": 0.25, "structural_reasoning": 0.0,
-                             "proof_by_contradiction": 0.5, "num_problems": 2}
+    assert table["base"] == {
+        "constraint_setup": 0.25,
+        "structural_reasoning": 0.0,
+        "proof_by_contradiction": 0.5,
+        "num_problems": 2,
+    }
 
-    results = {"model": {"path": "/m/base", "adapter": None}, "ks": [1, 2],
-               "benchmarks": {"b": {"pass_at_k": {"1": {"mean": 0.2, "std": 0.01}, "2": {"mean": 0.3, "std": 0.02}}}}}
+    results = {
+        "model": {"path": "/m/base", "adapter": None},
+        "ks": [1, 2],
+        "benchmarks": {
+            "b": {"pass_at_k": {"1": {"mean": 0.2, "std": 0.01}, "2": {"mean": 0.3, "std": 0.02}}}
+        },
+    }
     for name in ("a.json", "b.json"):
         with open(tmp_path / name, "w") as handle:
             json.dump(results, handle)
     out = tmp_path / "passk.png"
-    assert evaluate.main(["plot", f"GRPO={tmp_path / 'a.json'}", str(tmp_path / "b.json"), "--out", str(out)]) == 0
+    assert (
+        evaluate.main(
+            ["plot", f"GRPO={tmp_path / 'a.json'}", str(tmp_path / "b.json"), "--out", str(out)]
+        )
+        == 0
+    )
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -55,30 +87,59 @@ def test_perplexity_equals_a_per_sample_log_softmax_loop():
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 9))] for _ in range(5)]
     completions = [[rng.randrange(256) for _ in range(rng.randint(1, 7))] for _ in range(5)]
-    got = analysis.completion_perplexities(model, prompts, completions, batch_size=2, progress=False)
+    got = analysis.completion_perplexities(
+        model, prompts, completions, batch_size=2, progress=False
+    )
     for prompt, completion, value in zip(prompts, completions, got):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + completion])).logits[0].double()
-        logps = logits.log_softmax(-1)[len(prompt) - 1 : -1].gather(-1, torch.tensor(completion)[:, None])
+        logps = logits.log_softmax(-1)[len(prompt) - 1 : -1].gather(
+            -1, torch.tensor(completion)[:, None]
+        )
         assert value == pytest.approx(math.exp(-logps.mean().item()), rel=1e-5)
 
 
-def test_perplexity_subcommand_scores_saved_completions_under_the_base_model(tmp_path, tiny_model_dir):
+def test_perplexity_subcommand_scores_saved_completions_under_the_base_model(
+    tmp_path, tiny_model_dir
+):
     import torch
     from transformers import AutoModelForCausalLM
 
     rng = random.Random(1)
     paths = {}
     for label in ("grpo", "branch"):
-        rows = [{"benchmark": "b", "seed": 0, "problem_index": index, "problem": "p", "answer": "1",
-                 "prompt_ids": [rng.randrange(256) for _ in range(6)],
-                 "completions": [{"token_ids": [rng.randrange(256) for _ in range(rng.randint(2, 9))],
-                                  "correct": i % 2 == 0, "text": ""} for i in range(4)]}
-                for index in range(2)]
+        rows = [
+            {
+                "benchmark": "b",
+                "seed": 0,
+                "problem_index": index,
+                "problem": "p",
+                "answer": "1",
+                "prompt_ids": [rng.randrange(256) for _ in range(6)],
+                "completions": [
+                    {
+                        "token_ids": [rng.randrange(256) for _ in range(rng.randint(2, 9))],
+                        "correct": i % 2 == 0,
+                        "text": "",
+                    }
+                    for i in range(4)
+                ],
+            }
+            for index in range(2)
+        ]
         paths[label] = write_jsonl(tmp_path / f"{label}.jsonl", rows)
     out = tmp_path / "ppl.png"
-    command = ["perplexity", "--base-model", tiny_model_dir, "--problems", "b:1", "--only-correct",
-               "--out", str(out), "--no-progress"] + [f"{label}={path}" for label, path in paths.items()]
+    command = [
+        "perplexity",
+        "--base-model",
+        tiny_model_dir,
+        "--problems",
+        "b:1",
+        "--only-correct",
+        "--out",
+        str(out),
+        "--no-progress",
+    ] + [f"{label}={path}" for label, path in paths.items()]
     assert evaluate.main(command) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with open(tmp_path / "ppl.json") as handle:
@@ -87,7 +148,9 @@ def test_perplexity_subcommand_scores_saved_completions_under_the_base_model(tmp
     for label, path in paths.items():
         row = [json.loads(line) for line in open(path)][1]
         correct = [c["token_ids"] for c in row["completions"] if c["correct"]]
-        expected = analysis.completion_perplexities(model, [row["prompt_ids"]] * 2, correct, progress=False)
+        expected = analysis.completion_perplexities(
+            model, [row["prompt_ids"]] * 2, correct, progress=False
+        )
         assert values["b:1"][label] == pytest.approx(expected, rel=1e-5)
 
 
@@ -106,26 +169,54 @@ def test_pass_at_k_plots_show_k_and_the_standard_errors_as_error_bars(monkeypatc
     analysis.plot_pass_at_k({"GRPO": {"benchmarks": {"b": {"pass_at_k": summary}}}}, "unused.png")
     axis = figures[0].axes[0]
     assert [label.get_text() for label in axis.get_xticklabels()] == ["1", "2", "4", "8"]
-    (bars,) = [container for container in axis.containers if isinstance(container, ErrorbarContainer)]
-    half_heights = [abs(segment[1][1] - segment[0][1]) / 2 for segment in bars.lines[2][0].get_segments()]
+    (bars,) = [
+        container for container in axis.containers if isinstance(container, ErrorbarContainer)
+    ]
+    half_heights = [
+        abs(segment[1][1] - segment[0][1]) / 2 for segment in bars.lines[2][0].get_segments()
+    ]
     assert half_heights == pytest.approx([0.01, 0.02, 0.04, 0.08])
 
 
 def test_plot_of_a_run_directory_draws_its_training_curves_and_evaluations(tmp_path, monkeypatch):
     run = tmp_path / "run"
     run.mkdir()
-    metrics = [{"step": s, "reward": s / 10, "accuracy": s / 10, "kl/ref_k3": 0.01, "kl/anchor_k3": 0.02,
-                "entropy": 1.0, "q/mean": 1.1, "q/min": 1.0, "q/max": 1.3, "response_length": 20 + s} for s in range(4)]
+    metrics = [
+        {
+            "step": s,
+            "reward": s / 10,
+            "accuracy": s / 10,
+            "kl/ref_k3": 0.01,
+            "kl/anchor_k3": 0.02,
+            "entropy": 1.0,
+            "q/mean": 1.1,
+            "q/min": 1.0,
+            "q/max": 1.3,
+            "response_length": 20 + s,
+        }
+        for s in range(4)
+    ]
     write_jsonl(run / "metrics.jsonl", metrics)
-    write_jsonl(run / "eval.jsonl", [{"step": s, "benchmark": "demo", "n": 8, "pass@1": 0.3 + s / 10, "pass@8": 0.9}
-                                      for s in (0, 2, 4)])
+    write_jsonl(
+        run / "eval.jsonl",
+        [
+            {"step": s, "benchmark": "demo", "n": 8, "pass@1": 0.3 + s / 10, "pass@8": 0.9}
+            for s in (0, 2, 4)
+        ],
+    )
     assert evaluate.main(["plot", str(run)]) == 0
     assert (run / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     figures = capture_figures(monkeypatch)
     analysis.plot_run([str(run)], "unused.png")
     titles = [axis.get_title() for axis in figures[0].axes]
-    assert titles == ["reward", "KL estimates", "entropy (nats)", "guide q", "response length (tokens)",
-                      "pass@k (--eval-every)"]
+    assert titles == [
+        "reward",
+        "KL estimates",
+        "entropy (nats)",
+        "guide q",
+        "response length (tokens)",
+        "pass@k (--eval-every)",
+    ]
     evaluation_lines = figures[0].axes[5].get_lines()
     assert [line.get_label() for line in evaluation_lines] == ["demo pass@1", "demo pass@8"]
     assert list(evaluation_lines[0].get_xdata()) == [0, 2, 4]

@@ -1,36 +1,106 @@
-"""compare.py: the comparison's summary and table from evaluate.py's results files, and (slow) a
-tiny end-to-end comparison."""
+"""extras/compare.py: intervals over seeds against scipy's own, paired differences by hand, and
+(slow) a tiny two-seed study end to end, killed mid-arm and finished by the same command."""
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-import compare
+from extras import compare
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def write_results(path, means):
-    entry = {"pass_at_k": {str(k): {"mean": m, "std": 0.0, "stderr": 0.01 * k} for k, m in means.items()}}
-    path.write_text(json.dumps({"benchmarks": {"held_out": entry}, "model": {}}))
-    return str(path)
+def test_the_interval_is_students_t_over_seeds():
+    from scipy import stats
+
+    values = [0.31, 0.42, 0.35, 0.50, 0.38]
+    low, high = stats.t.interval(
+        0.95, len(values) - 1, loc=sum(values) / 5, scale=stats.sem(values)
+    )
+    result = compare.interval(values)
+    assert result["low"] == pytest.approx(low) and result["high"] == pytest.approx(high)
+    assert compare.interval([0.3])["low"] is None  # one seed: no interval
 
 
-def test_summary_and_table_carry_every_k_of_every_variant(tmp_path):
-    files = {"SFT start": write_results(tmp_path / "a.json", {1: 0.1, 2: 0.2, 64: 0.6}),
-             "grpo": write_results(tmp_path / "b.json", {1: 0.3, 2: 0.4, 64: 0.55})}
-    summary = compare.summary_of(files)
-    assert summary["grpo"]["pass@64"] == 0.55 and summary["SFT start"]["stderr"]["pass@64"] == 0.64
-    table = compare.format_table(summary).splitlines()
-    assert table[0].split() == ["pass@1", "pass@2", "pass@64"]
-    assert table[2].split() == ["grpo", "0.300", "0.400", "0.550"]
+def test_differences_are_paired_by_seed_and_only_over_the_seeds_both_have():
+    per_seed = {
+        "grpo": {"1": {"pass@1": 0.30}, "2": {"pass@1": 0.50}, "3": {"pass@1": 0.40}},
+        "guided": {"1": {"pass@1": 0.35}, "2": {"pass@1": 0.56}},
+    }
+    summary = compare.summarize(per_seed, "grpo")
+    difference = summary["guided"]["minus_grpo"]["pass@1"]
+    assert difference["seeds"] == 2 and difference["mean"] == pytest.approx(0.055)
+    assert summary["guided"]["pass_at_k"]["pass@1"]["mean"] == pytest.approx(0.455)
+    assert "minus_grpo" not in summary["grpo"]
+    # the same shift on every seed is distinguishable from zero however much the seeds differ
+    guided = {seed: {"pass@1": v["pass@1"] + 0.05} for seed, v in per_seed["grpo"].items()}
+    shifted = {"grpo": per_seed["grpo"], "guided": guided}
+    shifted["guided"]["3"]["pass@1"] += 0.001
+    assert compare.distinguishable(compare.summarize(shifted, "grpo"), "grpo")
+
+
+def test_arms_are_chosen_and_added_by_flag():
+    _, arms = compare.parse_args(
+        ["--arms", "grpo,branch_k3", "--arm", "mine=--guide token --tau 1"]
+    )
+    assert list(arms) == ["grpo", "branch_k3", "mine"] and arms["mine"] == [
+        "--guide",
+        "token",
+        "--tau",
+        "1",
+    ]
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--arms", "nope"])
+
+
+TINY = ["--seeds", "2", "--steps", "6", "--save-every", "1", "--eval-samples", "4"]
+TINY += [
+    "--demo-eval-problems",
+    "4",
+    "--demo-sft-examples",
+    "32",
+    "--arms",
+    "grpo,branch_k1_return_ref",
+]
 
 
 @pytest.mark.slow
-def test_a_tiny_comparison_writes_its_summary_and_plot(tmp_path):
-    out = tmp_path / "compare"
-    summary = compare.main(["--out", str(out), "--steps", "2", "--n", "4", "--demo-eval-problems", "4",
-                             "--demo-sft-examples", "32"])
-    assert set(summary) == {"SFT start", "grpo", "branch_k3", "branch_k1_return"}
-    written = json.loads((out / "summary.json").read_text())
-    assert all({"pass@1", "pass@4"} <= written[label].keys() for label in summary)
+def test_a_killed_study_finishes_without_redoing_what_was_done(tmp_path):
+    out = tmp_path / "study"
+    command = [sys.executable, "-m", "extras.compare", "--out", str(out), *TINY]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+    study = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    first_arm = out / "seed-3407" / "grpo.json"
+    killed_arm = out / "seed-3407" / "branch_k1_return_ref" / "checkpoint" / "trainer_state.json"
+    deadline = time.monotonic() + 900
+    while not killed_arm.exists() and study.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.killpg(study.pid, signal.SIGKILL)  # mid-arm: its first checkpoint is written
+    study.wait()
+    assert first_arm.exists() and killed_arm.exists()
+    finished = first_arm.stat().st_mtime_ns
+    stopped_at = json.loads(killed_arm.read_text())["step"]
+    assert not (out / "summary.json").exists()
+
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert first_arm.stat().st_mtime_ns == finished  # done arms are not redone
+    metrics = (out / "seed-3407" / "branch_k1_return_ref" / "metrics.jsonl").read_text()
+    steps = [json.loads(line)["step"] for line in metrics.splitlines()]
+    assert steps == list(range(6)) and stopped_at < 6  # the killed arm resumed, each step once
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["study"]["seeds"] == [3407, 3408]
+    for arm in ("SFT start", "grpo", "branch_k1_return_ref"):
+        assert set(summary[arm]["per_seed"]) == {"3407", "3408"}
+        assert {"pass@1", "pass@4"} <= summary[arm]["pass_at_k"].keys()
+    difference = summary["branch_k1_return_ref"]["minus_grpo"]["pass@4"]
+    assert (
+        difference["seeds"] == 2 and difference["low"] <= difference["mean"] <= difference["high"]
+    )
     assert os.path.getsize(out / "passk.png") > 0

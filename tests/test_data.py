@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-import data
+from machinery import data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -27,7 +28,9 @@ def test_rows_without_an_answer_are_an_error():
 
 def test_local_dataset_loads_and_missing_dataset_is_one_line(tmp_path):
     path = tmp_path / "train.jsonl"
-    path.write_text("\n".join(json.dumps({"prompt": f"{i}+1", "solution": str(i + 1)}) for i in range(5)))
+    path.write_text(
+        "\n".join(json.dumps({"prompt": f"{i}+1", "solution": str(i + 1)}) for i in range(5))
+    )
     problems = data.training_problems(data.load_rows(str(path)), "prompt", "solution", 3, str(path))
     assert problems == [{"problem": f"{i}+1", "answer": str(i + 1)} for i in range(3)]
     with pytest.raises(data.DataError, match="cannot load dataset") as error:
@@ -51,14 +54,27 @@ def test_sft_examples_are_never_cut_and_keep_the_closing_format(tmp_path, tiny):
     EOS and teach the model not to close the format. Long rows are dropped whole instead."""
     _, tokenizer = tiny
     rows = [
-        {"problem": "What is 2 + 2?", "generated_solution": "<think>\n2+2=4\n</think>\nSo it is 4.", "expected_answer": "4"},
-        {"problem": "What is 3 + 4?", "generated_solution": "<think>" + "3+4 " * 200 + "</think>", "expected_answer": "7"},
-        {"problem": "Name the sum.", "generated_solution": "It is seven.", "expected_answer": "seven"},
+        {
+            "problem": "What is 2 + 2?",
+            "generated_solution": "<think>\n2+2=4\n</think>\nSo it is 4.",
+            "expected_answer": "4",
+        },
+        {
+            "problem": "What is 3 + 4?",
+            "generated_solution": "<think>" + "3+4 " * 200 + "</think>",
+            "expected_answer": "7",
+        },
+        {
+            "problem": "Name the sum.",
+            "generated_solution": "It is seven.",
+            "expected_answer": "seven",
+        },
         {"problem": "What is 1 + 5?", "generated_solution": "1+5=6", "expected_answer": "6"},
     ]
     path = write_jsonl(tmp_path / "sft.jsonl", rows)
-    examples, not_numeric = data.sft_examples(data.load_rows(path), "problem", "generated_solution",
-                                              "expected_answer", path)
+    examples, not_numeric = data.sft_examples(
+        data.load_rows(path), "problem", "generated_solution", "expected_answer", path
+    )
     assert not_numeric == 1 and len(examples) == 3
     pairs, stats = data.tokenize_sft_examples(tokenizer, examples, max_tokens=128)
     assert stats["kept"] == 2 and stats["dropped_too_long"] == 1 and stats["max_tokens"] == 128
@@ -75,7 +91,9 @@ def test_sft_examples_are_never_cut_and_keep_the_closing_format(tmp_path, tiny):
         data.tokenize_sft_examples(tokenizer, examples, max_tokens=10)
 
 
-TINY_PROBLEMS = [{"question": f"What is {a} + {b}?", "solution": str(a + b)} for a, b in [(2, 3), (4, 4), (1, 7)]]
+TINY_PROBLEMS = [
+    {"question": f"What is {a} + {b}?", "solution": str(a + b)} for a, b in [(2, 3), (4, 4), (1, 7)]
+]
 
 
 def test_local_jsonl_parquet_and_csv_benchmarks_load_with_custom_keys(tmp_path):
@@ -89,7 +107,9 @@ def test_local_jsonl_parquet_and_csv_benchmarks_load_with_custom_keys(tmp_path):
     resolved = data.resolve_benchmarks(f"{jsonl},{parquet},{csv}", "question", "solution")
     assert list(resolved) == ["tiny", "tiny2", "tiny3"]
     assert all(problems == expected for _, problems in resolved.values())
-    with pytest.raises(data.DataError, match="has no field 'problem' .*question, solution.*--problem-key"):
+    with pytest.raises(
+        data.DataError, match="has no field 'problem' .*question, solution.*--problem-key"
+    ):
         data.resolve_benchmarks(jsonl)
     (tmp_path / "tiny.txt").write_text("1 + 1")
     with pytest.raises(data.DataError, match="unknown file type '.txt'"):
@@ -97,11 +117,25 @@ def test_local_jsonl_parquet_and_csv_benchmarks_load_with_custom_keys(tmp_path):
 
 
 def test_hub_benchmark_offline_and_not_cached_fails_with_one_line_naming_the_fix(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    env = dict(
+        os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf")
+    )
     result = subprocess.run(
-        [sys.executable, "evaluate.py", "--model", str(tmp_path), "--benchmarks", "aime", "--out",
-         str(tmp_path / "r.json")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "evaluate.py",
+            "--model",
+            str(tmp_path),
+            "--benchmarks",
+            "aime",
+            "--out",
+            str(tmp_path / "r.json"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()

@@ -1,6 +1,6 @@
 """demo.py: the embedded task's split and answers, and its tiny tokenizer's format tokens."""
 
-import demo
+from extras import demo
 
 
 def test_demo_split_is_disjoint_and_answers_are_right():

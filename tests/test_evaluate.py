@@ -1,4 +1,5 @@
-"""Claims about evaluate.py, each checked against an independent computation.
+"""Claims about evaluate.py (and machinery/results.py, its results file), each checked against an
+independent computation.
 
 pass@k against brute-force enumeration of subsets and exact binomials; its variance against
 exact enumeration of c ~ Binomial(n, p); grading against hand-decided cases (serial and pooled
@@ -25,17 +26,24 @@ from types import SimpleNamespace
 
 import pytest
 
-import data
-import demo
 import evaluate
-import task
-
+import machinery.results
+from extras import analysis, demo
+from machinery import data, task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_doctests_pass():
     assert doctest.testmod(evaluate).failed == 0
+    assert doctest.testmod(machinery.results).failed == 0
+
+
+def test_defaults_kept_beside_their_source_agree_with_it():
+    assert evaluate.EvalArgs.grade_timeout == task.GRADE_TIMEOUT_S
+    assert set(evaluate.ANALYSES) == set(analysis.SUBCOMMANDS)
+    config, sampling = evaluate.EvalConfig(), evaluate.EvalSampling()
+    assert (config.eval_temperature, config.eval_top_p) == (sampling.temperature, sampling.top_p)
 
 
 @pytest.mark.parametrize("n", range(1, 9))
@@ -54,7 +62,11 @@ def test_pass_at_k_equals_exact_binomial_formula_for_random_n_c_k():
         n = rng.randint(1, 300)
         c, k = rng.randint(0, n), rng.randint(1, n)
         exact = 1 - Fraction(math.comb(n - c, k), math.comb(n, k))
-        assert evaluate.pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-9, abs=1e-12), (n, c, k)
+        assert evaluate.pass_at_k(n, c, k) == pytest.approx(float(exact), rel=1e-9, abs=1e-12), (
+            n,
+            c,
+            k,
+        )
 
 
 @pytest.mark.parametrize("n,c,k", [(0, 0, 1), (4, 5, 1), (4, -1, 1), (4, 1, 0), (4, 1, 5)])
@@ -83,7 +95,8 @@ def test_benchmark_scores_and_seed_summary_match_direct_computation():
             expected = statistics.fmean(evaluate.pass_at_k(n, c, k) for c in counts)
             variance = sum(evaluate.pass_at_k_variance(n, c / n, k) for c in counts)
             assert entry["pass_at_k"][str(k)] == pytest.approx(expected)
-            assert entry["pass_at_k_stderr"][str(k)] == pytest.approx(math.sqrt(variance) / len(counts))
+            stderr = math.sqrt(variance) / len(counts)
+            assert entry["pass_at_k_stderr"][str(k)] == pytest.approx(stderr)
     summary = evaluate.summarize_seeds(entries, ks)
     for k in ks:
         values = [e["pass_at_k"][str(k)] for e in entries]
@@ -95,7 +108,9 @@ def test_benchmark_scores_and_seed_summary_match_direct_computation():
 FORMAT = "<start_working_out> working <end_working_out><SOLUTION> {} </SOLUTION>"
 
 
-TINY_PROBLEMS = [{"question": f"What is {a} + {b}?", "solution": str(a + b)} for a, b in [(2, 3), (4, 4), (1, 7)]]
+TINY_PROBLEMS = [
+    {"question": f"What is {a} + {b}?", "solution": str(a + b)} for a, b in [(2, 3), (4, 4), (1, 7)]
+]
 
 
 def write_jsonl(path, rows):
@@ -126,17 +141,27 @@ class ScriptedEngine:
         self.calls.append((len(prompts), sampling.n, sampling.seed))
         out = []
         for prompt in prompts:
-            a, b = map(int, re.search(r"What is (\d+) \+ (\d+)\?", self.tokenizer.decode(prompt)).groups())
+            question = self.tokenizer.decode(prompt)
+            a, b = map(int, re.search(r"What is (\d+) \+ (\d+)\?", question).groups())
             correct = scripted_count(a, sampling.seed, sampling.n)
             texts = [FORMAT.format(a + b if i < correct else a + b + 1) for i in range(sampling.n)]
-            out.append([SimpleNamespace(text=t, token_ids=[1, 2, 3], finish_reason="stop", logprobs=[-0.5] * 3)
-                        for t in texts])
+            out.append(
+                [
+                    SimpleNamespace(
+                        text=t, token_ids=[1, 2, 3], finish_reason="stop", logprobs=[-0.5] * 3
+                    )
+                    for t in texts
+                ]
+            )
         return out
 
 
 def eval_args(**overrides):
-    fields = {f.name: f.default for f in dataclasses.fields(evaluate.EvalArgs)
-              if f.default is not dataclasses.MISSING}
+    fields = {
+        f.name: f.default
+        for f in dataclasses.fields(evaluate.EvalArgs)
+        if f.default is not dataclasses.MISSING
+    }
     return evaluate.EvalArgs(**{**fields, "model": "scripted", "progress": False, **overrides})
 
 
@@ -144,18 +169,26 @@ def test_evaluate_problems_counts_correct_samples_per_problem_and_seed(pool):
     engine = ScriptedEngine()
     problems = [data.Problem(row["question"], row["solution"]) for row in TINY_PROBLEMS]
     n = 4
-    out = evaluate.evaluate_problems(engine, engine.tokenizer, problems, n=n, seeds=[0, 1], pool=pool, progress=False)
+    out = evaluate.evaluate_problems(
+        engine, engine.tokenizer, problems, n=n, seeds=[0, 1], pool=pool
+    )
     assert engine.calls == [(3, 4, 0), (3, 4, 1)]  # one call per seed, n samples per prompt
     for seed in (0, 1):
         counts = [scripted_count(int(row["question"].split()[2]), seed, n) for row in TINY_PROBLEMS]
         assert out["seeds"][str(seed)]["correct"] == counts
-        assert out["seeds"][str(seed)]["pass_at_k"] == evaluate.score_counts(counts, n, [1, 2, 4])["pass_at_k"]
+        expected = evaluate.score_counts(counts, n, [1, 2, 4])["pass_at_k"]
+        assert out["seeds"][str(seed)]["pass_at_k"] == expected
 
 
 def test_run_evaluation_writes_recomputable_results_and_resumes_only_missing_seeds(tmp_path):
     bench = write_jsonl(tmp_path / "sums.jsonl", TINY_PROBLEMS)
-    more = write_jsonl(tmp_path / "more.jsonl", [{"question": "What is 3 + 1?", "solution": "4"},
-                                                 {"question": "What is 0 + 5?", "solution": "5"}])
+    more = write_jsonl(
+        tmp_path / "more.jsonl",
+        [
+            {"question": "What is 3 + 1?", "solution": "4"},
+            {"question": "What is 0 + 5?", "solution": "5"},
+        ],
+    )
     out = str(tmp_path / "results.json")
     engines = []
 
@@ -163,8 +196,16 @@ def test_run_evaluation_writes_recomputable_results_and_resumes_only_missing_see
         engines.append(ScriptedEngine())
         return engines[-1]
 
-    args = eval_args(benchmarks=f"{bench},{more}", problem_key="question", answer_key="solution", n=4,
-                     seeds="0,1", out=out, grading_workers=1, save_completions=str(tmp_path / "samples"))
+    args = eval_args(
+        benchmarks=f"{bench},{more}",
+        problem_key="question",
+        answer_key="solution",
+        n=4,
+        seeds="0,1",
+        out=out,
+        grading_workers=1,
+        save_completions=str(tmp_path / "samples"),
+    )
     evaluate.run_evaluation(args, make_engine=make_engine)
     with open(out) as handle:
         results = json.load(handle)
@@ -174,14 +215,34 @@ def test_run_evaluation_writes_recomputable_results_and_resumes_only_missing_see
         for seed, seed_entry in results["benchmarks"][name]["seeds"].items():
             assert seed_entry["correct"] == [scripted_count(a, int(seed), 4) for a in firsts]
             for k in results["ks"]:  # pass@k values equal a recomputation from the stored counts
-                recomputed = statistics.fmean(evaluate.pass_at_k(4, c, k) for c in seed_entry["correct"])
+                recomputed = statistics.fmean(
+                    evaluate.pass_at_k(4, c, k) for c in seed_entry["correct"]
+                )
                 assert seed_entry["pass_at_k"][str(k)] == pytest.approx(recomputed, abs=1e-15)
-    assert results["average"]["4"] == pytest.approx(statistics.fmean(
-        results["benchmarks"][name]["pass_at_k"]["4"]["mean"] for name in ("sums", "more")))
-    assert results["sampling"] == {"n": 4, "temperature": 0.3, "top_p": 0.95, "top_k": -1, "min_p": 0.01,
-                                       "max_tokens": 1536, "max_model_len": 2048, "backend": "vllm", "dtype": "auto"}
-    assert len(engines) == 1 and engines[0].calls == [(5, 4, 0), (5, 4, 1)]  # one call per seed, both files
-    assert os.path.exists(tmp_path / "samples" / "sums.seed1.jsonl")
+    assert results["average"]["4"] == pytest.approx(
+        statistics.fmean(
+            results["benchmarks"][name]["pass_at_k"]["4"]["mean"] for name in ("sums", "more")
+        )
+    )
+    assert results["sampling"] == {
+        "n": 4,
+        "temperature": 0.3,
+        "top_p": 0.95,
+        "top_k": -1,
+        "min_p": 0.01,
+        "max_tokens": 1536,
+        "max_model_len": 2048,
+        "backend": "vllm",
+        "dtype": "auto",
+    }
+    # one call per seed, both files
+    assert len(engines) == 1 and engines[0].calls == [(5, 4, 0), (5, 4, 1)]
+    assert [run["num_samples"] for run in results["runs"]] == [20, 20]
+    saved = [json.loads(line) for line in open(tmp_path / "samples" / "more.seed1.jsonl")]
+    assert [row["problem"] for row in saved] == ["What is 3 + 1?", "What is 0 + 5?"]
+    assert [sum(c["correct"] for c in row["completions"]) for row in saved] == [
+        scripted_count(a, 1, 4) for a in (3, 0)
+    ]  # the second benchmark's own samples
     assert not [name for name in os.listdir(tmp_path) if name.startswith(".tmp-")]  # atomic writes
 
     # Same --out, one more seed: only seed 2 is sampled; with nothing left, no engine starts.
@@ -199,6 +260,25 @@ def test_run_evaluation_writes_recomputable_results_and_resumes_only_missing_see
         evaluate.run_evaluation(dataclasses.replace(args, temperature=1.0), make_engine=make_engine)
 
 
+def test_model_identity_hashes_the_adapters_bytes_and_the_weights_sizes(tmp_path):
+    model, adapter = tmp_path / "model", tmp_path / "adapter"
+    model.mkdir()
+    adapter.mkdir()
+    (model / "config.json").write_text('{"architectures": ["Toy"]}')
+    (model / "model.safetensors").write_bytes(b"weights")
+    (adapter / "adapter_config.json").write_text("{}")
+    (adapter / "adapter_model.safetensors").write_bytes(b"a")
+    identity = machinery.results.model_identity
+    first = identity(str(model), str(adapter))
+    (adapter / "adapter_model.safetensors").write_bytes(b"b")  # same size, other bytes
+    second = identity(str(model), str(adapter))
+    assert first["architectures"] == ["Toy"] and first["fingerprint"] != second["fingerprint"]
+    (model / "model.safetensors").write_bytes(b"other!!")  # same size: weights' bytes are not read
+    assert identity(str(model), str(adapter))["fingerprint"] == second["fingerprint"]
+    with pytest.raises(data.DataError, match="not a peft adapter directory"):
+        identity(str(model), str(model))
+
+
 @pytest.mark.slow
 def test_cli_end_to_end_on_a_tiny_model_with_an_adapter(tmp_path, tiny_model_dir):
     import torch
@@ -206,7 +286,9 @@ def test_cli_end_to_end_on_a_tiny_model_with_an_adapter(tmp_path, tiny_model_dir
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False)
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False
+    )
     torch.manual_seed(0)
     peft_model = get_peft_model(base, lora)
     for name, parameter in peft_model.named_parameters():
@@ -216,44 +298,87 @@ def test_cli_end_to_end_on_a_tiny_model_with_an_adapter(tmp_path, tiny_model_dir
     peft_model.save_pretrained(adapter)
     # One-digit answers: the random model writes digits now and then, so a few samples score
     # (math-verify reads the last number of the text when there is no <SOLUTION> block).
-    bench = write_jsonl(tmp_path / "digits.jsonl", [{"problem": f"Say {d}.", "answer": str(d)} for d in range(10)])
+    bench = write_jsonl(
+        tmp_path / "digits.jsonl", [{"problem": f"Say {d}.", "answer": str(d)} for d in range(10)]
+    )
     out, samples = str(tmp_path / "results.json"), str(tmp_path / "samples")
-    command = [sys.executable, "evaluate.py", "--model", tiny_model_dir, "--adapter", adapter, "--benchmarks", bench,
-               "--n", "16", "--seeds", "0,1", "--max-tokens", "128", "--temperature", "1.0", "--top-p", "1.0",
-               "--min-p", "0", "--dtype", "float32", "--max-model-len", "512",
-               "--save-completions", samples, "--out", out, "--no-progress"]
+    command = [
+        sys.executable,
+        "evaluate.py",
+        "--model",
+        tiny_model_dir,
+        "--adapter",
+        adapter,
+        "--benchmarks",
+        bench,
+        "--n",
+        "16",
+        "--seeds",
+        "0,1",
+        "--max-tokens",
+        "128",
+        "--temperature",
+        "1.0",
+        "--top-p",
+        "1.0",
+        "--min-p",
+        "0",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--save-completions",
+        samples,
+        "--out",
+        out,
+        "--no-progress",
+    ]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     with open(out) as handle:
         results = json.load(handle)
-    assert results["model"]["adapter"] == os.path.abspath(adapter) and results["ks"] == [1, 2, 4, 8, 16]
+    assert results["model"]["adapter"] == os.path.abspath(adapter)
+    assert results["ks"] == [1, 2, 4, 8, 16]
     entry = results["benchmarks"]["digits"]
     for seed in ("0", "1"):
-        rows = [json.loads(line) for line in open(os.path.join(samples, f"digits.seed{seed}.jsonl"))]
-        regraded = [sum(task.grade(c["text"], row["answer"]) for c in row["completions"]) for row in rows]
-        assert entry["seeds"][seed]["correct"] == regraded  # counts = a serial regrade of the samples
+        rows = [
+            json.loads(line) for line in open(os.path.join(samples, f"digits.seed{seed}.jsonl"))
+        ]
+        regraded = [
+            sum(task.grade(c["text"], row["answer"]) for c in row["completions"]) for row in rows
+        ]
+        # counts = a serial regrade of the samples
+        assert entry["seeds"][seed]["correct"] == regraded
         for k in results["ks"]:  # pass@k = a recomputation from the file's own counts
-            recomputed = statistics.fmean(evaluate.pass_at_k(16, c, k) for c in entry["seeds"][seed]["correct"])
+            recomputed = statistics.fmean(
+                evaluate.pass_at_k(16, c, k) for c in entry["seeds"][seed]["correct"]
+            )
             assert entry["seeds"][seed]["pass_at_k"][str(k)] == pytest.approx(recomputed, abs=1e-15)
     # About 1% of random samples score (~4 expected of 320; sampling is seeded, so a change of
     # this count means the engine's seeding changed): the checks above are not 0 == 0.
     assert sum(sum(entry["seeds"][seed]["correct"]) for seed in ("0", "1")) > 0, "no sample scored"
 
-    # The engine sampled from the merged weights: its log-probs match the merged model, not the base.
-    merged = evaluate.load_merged_model(tiny_model_dir, adapter, "float32")
-    completions = [(row["prompt_ids"], c) for row in rows for c in row["completions"] if c["token_ids"]][:6]
+    # The engine sampled from the merged weights: its log-probs match the merged model, not the
+    # base.
+    merged = machinery.results.load_merged_model(tiny_model_dir, adapter, "float32")
+    completions = [
+        (row["prompt_ids"], c) for row in rows for c in row["completions"] if c["token_ids"]
+    ][:6]
 
     def total_logprob(model, prompt_ids, token_ids):
         with torch.no_grad():
             logits = model(torch.tensor([prompt_ids + token_ids])).logits[0].double()
-        return logits.log_softmax(-1)[len(prompt_ids) - 1 : -1].gather(-1, torch.tensor(token_ids)[:, None]).sum().item()
+        logps = logits.log_softmax(-1)[len(prompt_ids) - 1 : -1]
+        return logps.gather(-1, torch.tensor(token_ids)[:, None]).sum().item()
 
     for prompt_ids, completion in completions:
         engine = completion["logprob"]
-        assert engine == pytest.approx(total_logprob(merged, prompt_ids, completion["token_ids"]), abs=1e-2)
+        expected = total_logprob(merged, prompt_ids, completion["token_ids"])
+        assert engine == pytest.approx(expected, abs=1e-2)
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    assert max(abs(c["logprob"] - total_logprob(plain, p, c["token_ids"])) for p, c in completions) > 0.1
+    gaps = [abs(c["logprob"] - total_logprob(plain, p, c["token_ids"])) for p, c in completions]
+    assert max(gaps) > 0.1
 
     # Re-running with the same --out skips the finished seeds without starting an engine.
     started = time.monotonic()

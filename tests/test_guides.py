@@ -46,11 +46,17 @@ def test_cosine_schedule_by_hand():
     assert at(79) == pytest.approx(last)  # the last step
     assert at(500) == pytest.approx(last) and at(-3) == pytest.approx(0.3)  # clamped to the run
     # Cycles of 12.5 steps (100 steps, 8 cycles): step 12 ends cycle 0, step 13 starts cycle 1.
-    assert cosine_schedule(12, 100, 1.0, 0.0) == pytest.approx(0.5 * (1 + math.cos(math.pi * 12 / 12.5)))
-    assert cosine_schedule(13, 100, 1.0, 0.0) == pytest.approx(0.9 * 0.5 * (1 + math.cos(math.pi * 0.5 / 12.5)))
+    assert cosine_schedule(12, 100, 1.0, 0.0) == pytest.approx(
+        0.5 * (1 + math.cos(math.pi * 12 / 12.5))
+    )
+    assert cosine_schedule(13, 100, 1.0, 0.0) == pytest.approx(
+        0.9 * 0.5 * (1 + math.cos(math.pi * 0.5 / 12.5))
+    )
     # Other cycle counts and decays.
     assert cosine_schedule(50, 100, 1.0, 0.0, num_cycles=2, cycle_decay=0.5) == pytest.approx(0.5)
-    assert cosine_schedule(25, 100, 1.0, 0.0, num_cycles=1) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
+    assert cosine_schedule(25, 100, 1.0, 0.0, num_cycles=1) == pytest.approx(
+        0.5 * (1 + math.cos(math.pi / 4))
+    )
 
 
 def test_cosine_schedule_rejects_an_empty_run():
@@ -59,8 +65,12 @@ def test_cosine_schedule_rejects_an_empty_run():
 
 
 def test_scheduled_values_of_each_guide():
-    assert guides.scheduled_values(GuideConfig("random"), 0, 80) == pytest.approx({"eps": 0.1, "sigma": 0.15})
-    assert guides.scheduled_values(GuideConfig("token"), 5, 80) == pytest.approx({"alpha": 0.2, "sigma": 0.175})
+    assert guides.scheduled_values(GuideConfig("random"), 0, 80) == pytest.approx(
+        {"eps": 0.1, "sigma": 0.15}
+    )
+    assert guides.scheduled_values(GuideConfig("token"), 5, 80) == pytest.approx(
+        {"alpha": 0.2, "sigma": 0.175}
+    )
     assert guides.scheduled_values(GuideConfig("branch"), 5, 80) == {}
     assert guides.scheduled_values(GuideConfig("none"), 5, 80) == {}
 
@@ -149,8 +159,9 @@ def test_percentile_normalization_by_hand():
     # Row 1: 5th percentile (linear) at 0.05 * 4 = 0.2 -> 0.2; 95th at 3.8 -> 3 + 0.8 * 6 = 7.8;
     # clip to [0.2, 7.8], then min-max: (x - 0.2) / 7.6.
     # Row 2 (valid 2, 0.5, 1): sorted 0.5, 1, 2; 5th at 0.1 -> 0.55; 95th at 1.9 -> 1.9.
-    expected = torch.tensor([[0.0, 0.8 / 7.6, 1.8 / 7.6, 2.8 / 7.6, 1.0],
-                             [1.0, 0.0, 0.45 / 1.35, 0.0, 0.0]])
+    expected = torch.tensor(
+        [[0.0, 0.8 / 7.6, 1.8 / 7.6, 2.8 / 7.6, 1.0], [1.0, 0.0, 0.45 / 1.35, 0.0, 0.0]]
+    )
     for fill in (0.0, 1e6, float("inf"), float("nan")):
         w = guides.normalize_per_completion(with_padding(SURPRISAL, fill), MASK, "percentile")
         torch.testing.assert_close(w, expected, msg=f"padding {fill}")
@@ -184,15 +195,26 @@ def test_sigmoid_normalization_by_hand():
 def test_constant_rows_and_single_tokens():
     values = torch.tensor([[2.0, 2.0, 2.0], [5.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1, 1], [1, 0, 0]])
-    assert guides.normalize_per_completion(values, mask, "percentile").tolist() == [[0.0] * 3, [0.0] * 3]
-    assert guides.normalize_per_completion(values, mask, "rank").tolist() == [[0.5] * 3, [0.5, 0, 0]]
-    assert guides.normalize_per_completion(values, mask, "sigmoid").tolist() == [[0.5] * 3, [0.5, 0, 0]]
+    assert guides.normalize_per_completion(values, mask, "percentile").tolist() == [
+        [0.0] * 3,
+        [0.0] * 3,
+    ]
+    assert guides.normalize_per_completion(values, mask, "rank").tolist() == [
+        [0.5] * 3,
+        [0.5, 0, 0],
+    ]
+    assert guides.normalize_per_completion(values, mask, "sigmoid").tolist() == [
+        [0.5] * 3,
+        [0.5, 0, 0],
+    ]
 
 
 @pytest.mark.parametrize("normalization", guides.NORMALIZATIONS)
 def test_token_guide_is_one_plus_alpha_w_without_noise(normalization):
     logps = -with_padding(SURPRISAL, 3.0)
-    config = GuideConfig("token", token_alpha=(0.3, 0.1), token_sigma=(0.0, 0.0), token_normalization=normalization)
+    config = GuideConfig(
+        "token", token_alpha=(0.3, 0.1), token_sigma=(0.0, 0.0), token_normalization=normalization
+    )
     w = guides.normalize_per_completion(SURPRISAL, MASK, normalization)
     assert ((w >= 0) & (w <= 1)).all()
     log_q = log_q_of(config, logps=logps, step=0)  # alpha = 0.3 at step 0
@@ -202,8 +224,12 @@ def test_token_guide_is_one_plus_alpha_w_without_noise(normalization):
 def test_token_guide_noise_is_sigma_w_xi():
     logps = -torch.rand(64, 128, generator=torch.Generator().manual_seed(0)) * 5
     mask = torch.ones_like(logps)
-    config = GuideConfig("token", token_alpha=(0.0, 0.0), token_sigma=(0.05, 0.05), token_normalization="rank")
-    log_q = compute_log_q(config, logps, torch.zeros_like(logps), mask, 0, 10, torch.Generator().manual_seed(1))
+    config = GuideConfig(
+        "token", token_alpha=(0.0, 0.0), token_sigma=(0.05, 0.05), token_normalization="rank"
+    )
+    log_q = compute_log_q(
+        config, logps, torch.zeros_like(logps), mask, 0, 10, torch.Generator().manual_seed(1)
+    )
     w = guides.normalize_per_completion(-logps, mask, "rank")
     xi = ((log_q.exp() - 1) / (0.05 * w))[w > 0.1]
     assert abs(xi.mean().item()) < 0.05 and abs(xi.std().item() - 1) < 0.05
@@ -255,7 +281,11 @@ def test_defaults_are_the_papers():
     assert (config.q_min, config.q_max, config.tau, config.ratio) == (0.6, 1.4, 1.2, 0.3)
     assert (config.random_eps, config.random_sigma) == ((0.1, 0.0), (0.15, 0.05))
     assert (config.token_alpha, config.token_sigma) == ((0.3, 0.1), (0.25, 0.1))
-    assert (config.num_cycles, config.cycle_decay, config.token_normalization) == (8, 0.9, "percentile")
+    assert (config.num_cycles, config.cycle_decay, config.token_normalization) == (
+        8,
+        0.9,
+        "percentile",
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,7 +296,7 @@ def test_defaults_are_the_papers():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(name="entropy"), "unknown guide"),
+        (dict(name="entropy"), "unknown --guide"),
         (dict(name="branch", q_min=1.1), "q_min"),
         (dict(name="branch", q_max=0.9), "q_max"),
         (dict(name="branch", q_min=0.0), "q_min"),

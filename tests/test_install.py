@@ -24,16 +24,26 @@ def test_no_install_path_compiles_flash_attn():
     """flash-attn publishes only sources on PyPI: installing it without --only-binary compiles
     CUDA kernels for hours (or fails at once without nvcc)."""
     makefile = read("Makefile")
-    installs = [line for line in makefile.splitlines() if "flash-attn" in line and "install" in line
-                and "$(PIP)" in line]
+    installs = [
+        line
+        for line in makefile.splitlines()
+        if "flash-attn" in line and "install" in line and "$(PIP)" in line
+    ]
     assert installs, "the Makefile no longer mentions flash-attn: update this test"
     for line in installs:
         for command in line.split(";"):
-            if "$(PIP)" in command and "install" in command and ("flash-attn" in command or "FLASH_ATTN" in command):
+            if (
+                "$(PIP)" in command
+                and "install" in command
+                and "uninstall" not in command
+                and ("flash-attn" in command or "FLASH_ATTN" in command)
+            ):
                 assert "--only-binary=:all:" in command, command
     assert "no-build-isolation" not in makefile
     project = tomllib.loads(read("pyproject.toml"))["project"]
-    requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    requirements = project["dependencies"] + [
+        r for extra in project["optional-dependencies"].values() for r in extra
+    ]
     assert not [r for r in requirements if "flash" in r], "pip would build flash-attn from source"
 
 
@@ -43,3 +53,11 @@ def test_every_module_is_installed_and_its_doctests_run():
     assert sorted(project["tool"]["setuptools"]["py-modules"]) == modules
     testpaths = project["tool"]["pytest"]["ini_options"]["testpaths"]
     assert [name for name in modules if f"{name}.py" not in testpaths] == []
+
+
+def test_a_cuda_install_checks_the_gpu_and_a_flash_attn_wheel_imports():
+    """A broken driver would run the 7B on the CPU without a word, and a flash-attn wheel built
+    for another torch installs fine and fails at import: both are checked when installing."""
+    makefile = read("Makefile")
+    assert "torch.cuda.is_available()" in makefile and "driver >= 580" in makefile
+    assert makefile.count('-c "import flash_attn"') == 2  # the given wheel and the prebuilt one

@@ -1,8 +1,10 @@
 """Claims about loss.py, each checked against an independent computation.
 
-Log-probs and entropies are compared with a naive float64 log_softmax; advantages, the clipped
-surrogate, the anchor penalties and the aggregations with numbers worked out by hand (in the
-comments); policy_loss's metrics with the same hand case. All on CPU, in about a second.
+Log-probs and entropies (the definition, and the chunked kernel of machinery/fast_logprobs.py
+that the trainer runs) are compared with a naive float64 log_softmax and with each other;
+advantages, the clipped surrogate, the anchor penalties and the aggregations with numbers worked
+out by hand (in the comments); policy_loss's metrics with the same hand case. All on CPU, in
+about a second.
 """
 
 import math
@@ -13,10 +15,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import loss
+from machinery import batches, fast_logprobs
+from machinery.fast_logprobs import chunked_token_logps_and_entropies
 
 # --------------------------------------------------------------------------------------------
-# 1. token_logps_and_entropies
+# 1. token_logps_and_entropies (the definition) and its chunked kernel
 # --------------------------------------------------------------------------------------------
+
+# The definition and the trainer's kernel: the claims below hold for both.
+LOGPROB_PATHS = {
+    "definition": loss.token_logps_and_entropies,
+    "chunked": chunked_token_logps_and_entropies,
+}
 
 
 def naive_logps_and_entropies(logits, token_ids, temperature=1.0, min_p=0.0):
@@ -50,18 +60,25 @@ def random_logits(*shape, scale=3.0, seed=0, dtype=torch.float32):
 @pytest.mark.parametrize("shape", [(12, 50), (2, 6, 50)], ids=["2d", "3d"])
 @pytest.mark.parametrize("chunk_rows", [None, 1, 4, 5], ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("temperature,min_p", [(1.0, 0.0), (0.7, 0.0), (1.0, 0.05), (1.3, 0.1)])
-def test_logps_entropies_and_gradients_match_float64_reference(shape, chunk_rows, temperature, min_p):
+def test_logps_entropies_and_gradients_match_float64_reference(
+    shape, chunk_rows, temperature, min_p
+):
     # 12 rows: chunks of 4 divide them, chunks of 5 do not (a short last chunk).
     logits = random_logits(*shape).requires_grad_(True)
-    token_ids, _ = sample_truncated(logits.detach(), temperature, max(min_p, 1e-9),
-                                    torch.Generator().manual_seed(1))
+    token_ids, _ = sample_truncated(
+        logits.detach(), temperature, max(min_p, 1e-9), torch.Generator().manual_seed(1)
+    )
     upstream = torch.randn(shape[:-1], generator=torch.Generator().manual_seed(2))
 
     reference_logits = logits.detach().double().requires_grad_(True)
-    ref_logps, ref_entropies = naive_logps_and_entropies(reference_logits, token_ids, temperature, min_p)
+    ref_logps, ref_entropies = naive_logps_and_entropies(
+        reference_logits, token_ids, temperature, min_p
+    )
     (ref_logps * upstream.double()).sum().backward()
 
-    logps, entropies = loss.token_logps_and_entropies(logits, token_ids, temperature, min_p, chunk_rows)
+    logps, entropies = chunked_token_logps_and_entropies(
+        logits, token_ids, temperature, min_p, chunk_rows
+    )
     (logps * upstream).sum().backward()
 
     assert logps.shape == entropies.shape == token_ids.shape
@@ -72,31 +89,69 @@ def test_logps_entropies_and_gradients_match_float64_reference(shape, chunk_rows
 
 
 @pytest.mark.parametrize("temperature,min_p", [(1.0, 0.0), (0.7, 0.05)])
-def test_the_chunked_path_equals_the_definition(temperature, min_p):
-    """loss.py's plain definition and its chunked optimization: same values, entropies, gradients."""
-    logits = random_logits(3, 7, 40).requires_grad_(True)
+def test_the_definition_matches_the_float64_reference(temperature, min_p):
+    logits = random_logits(2, 6, 50).requires_grad_(True)
+    token_ids, _ = sample_truncated(
+        logits.detach(), temperature, max(min_p, 1e-9), torch.Generator().manual_seed(1)
+    )
+    reference_logits = logits.detach().double().requires_grad_(True)
+    ref_logps, ref_entropies = naive_logps_and_entropies(
+        reference_logits, token_ids, temperature, min_p
+    )
+    ref_logps.sum().backward()
+    logps, entropies = loss.token_logps_and_entropies(logits, token_ids, temperature, min_p)
+    logps.sum().backward()
+    torch.testing.assert_close(logps.double(), ref_logps.detach(), rtol=0, atol=2e-5)
+    torch.testing.assert_close(entropies.double(), ref_entropies.detach(), rtol=0, atol=2e-5)
+    torch.testing.assert_close(logits.grad.double(), reference_logits.grad, rtol=0, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+@pytest.mark.parametrize("temperature,min_p", [(1.0, 0.0), (0.7, 0.05)])
+def test_the_chunked_kernel_equals_the_definition(temperature, min_p, dtype):
+    """loss.token_logps_and_entropies and machinery/fast_logprobs.py's chunked kernel: the same
+    values, entropies and gradients (bf16 gradients rounded once, in the logits' dtype)."""
+    logits = random_logits(3, 7, 40, dtype=dtype).requires_grad_(True)
     plain_logits = logits.detach().clone().requires_grad_(True)
-    token_ids, _ = sample_truncated(logits.detach(), temperature, max(min_p, 1e-9), torch.Generator().manual_seed(3))
+    token_ids, _ = sample_truncated(
+        logits.detach(), temperature, max(min_p, 1e-9), torch.Generator().manual_seed(3)
+    )
     upstream = torch.randn(3, 7, generator=torch.Generator().manual_seed(4))
-    plain_logps, plain_entropies = loss.plain_token_logps_and_entropies(plain_logits, token_ids, temperature, min_p)
+    plain_logps, plain_entropies = loss.token_logps_and_entropies(
+        plain_logits, token_ids, temperature, min_p
+    )
     (plain_logps * upstream).sum().backward()
-    logps, entropies = loss.token_logps_and_entropies(logits, token_ids, temperature, min_p, chunk_rows=4)
+    logps, entropies = chunked_token_logps_and_entropies(
+        logits, token_ids, temperature, min_p, chunk_rows=4
+    )
     (logps * upstream).sum().backward()
     torch.testing.assert_close(logps, plain_logps, rtol=0, atol=1e-5)
     torch.testing.assert_close(entropies, plain_entropies, rtol=0, atol=1e-5)
-    torch.testing.assert_close(logits.grad, plain_logits.grad, rtol=0, atol=1e-6)
+    assert logits.grad.dtype == plain_logits.grad.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(logits.grad, plain_logits.grad, rtol=0, atol=1e-6)
+    else:  # float32 arithmetic on both sides; the last bf16 bit may round either way
+        torch.testing.assert_close(
+            logits.grad.float(), plain_logits.grad.float(), rtol=1e-2, atol=1e-4
+        )
 
 
 @pytest.mark.parametrize("min_p", [0.0, 0.05])
 def test_bf16_logits_give_float32_results_and_bf16_gradients(min_p):
     logits = random_logits(3, 8, 64, dtype=torch.bfloat16).requires_grad_(True)
-    token_ids, _ = sample_truncated(logits.detach(), 0.9, max(min_p, 1e-9), torch.Generator().manual_seed(3))
+    token_ids, _ = sample_truncated(
+        logits.detach(), 0.9, max(min_p, 1e-9), torch.Generator().manual_seed(3)
+    )
     upstream = torch.randn(3, 8, generator=torch.Generator().manual_seed(4))
 
-    reference_logits = logits.detach().double().requires_grad_(True)  # the same bf16 values, exactly
+    reference_logits = (
+        logits.detach().double().requires_grad_(True)
+    )  # the same bf16 values, exactly
     ref_logps, ref_entropies = naive_logps_and_entropies(reference_logits, token_ids, 0.9, min_p)
     (ref_logps * upstream.double()).sum().backward()
-    logps, entropies = loss.token_logps_and_entropies(logits, token_ids, 0.9, min_p, chunk_rows=5)
+    logps, entropies = chunked_token_logps_and_entropies(
+        logits, token_ids, 0.9, min_p, chunk_rows=5
+    )
     (logps * upstream).sum().backward()
 
     # The arithmetic is float32 on the exact bf16 values: float32 accuracy, not bf16's.
@@ -108,15 +163,21 @@ def test_bf16_logits_give_float32_results_and_bf16_gradients(min_p):
     torch.testing.assert_close(logits.grad.double(), reference_logits.grad, rtol=1e-2, atol=1e-4)
 
 
-def test_min_p_replay_makes_the_on_policy_ratio_exactly_one():
+@pytest.mark.parametrize("path", LOGPROB_PATHS)
+def test_min_p_replay_makes_the_on_policy_ratio_exactly_one(path):
+    token_logps_and_entropies = LOGPROB_PATHS[path]
     temperature, min_p = 0.8, 0.1
     logits = random_logits(4, 16, 128)
-    token_ids, truncated = sample_truncated(logits, temperature, min_p, torch.Generator().manual_seed(5))
+    token_ids, truncated = sample_truncated(
+        logits, temperature, min_p, torch.Generator().manual_seed(5)
+    )
     behaviour_logps = truncated.gather(-1, token_ids[..., None]).squeeze(-1).log()
 
     with torch.no_grad():  # old log-probs: the trainer's own forward before the update
-        old_logps, _ = loss.token_logps_and_entropies(logits, token_ids, temperature, min_p)
-    new_logps, _ = loss.token_logps_and_entropies(logits.requires_grad_(True), token_ids, temperature, min_p)
+        old_logps, _ = token_logps_and_entropies(logits, token_ids, temperature, min_p)
+    new_logps, _ = token_logps_and_entropies(
+        logits.requires_grad_(True), token_ids, temperature, min_p
+    )
     ratio = torch.exp(new_logps - old_logps)
 
     assert torch.isfinite(new_logps).all()  # every sampled token survives the replayed mask
@@ -124,12 +185,13 @@ def test_min_p_replay_makes_the_on_policy_ratio_exactly_one():
     # They are the log-probs of the distribution the tokens were drawn from ...
     torch.testing.assert_close(new_logps.detach(), behaviour_logps, rtol=0, atol=1e-5)
     # ... and not those of the untruncated softmax that TRL uses (ratio = kept mass < 1).
-    full_logps, _ = loss.token_logps_and_entropies(logits, token_ids, temperature, 0.0)
+    full_logps, _ = token_logps_and_entropies(logits, token_ids, temperature, 0.0)
     kept_mass = torch.exp(full_logps - new_logps.detach())
     assert (kept_mass < 1.0 - 1e-3).float().mean() > 0.9
 
 
-def test_min_p_keeps_the_sampled_token_at_the_threshold():
+@pytest.mark.parametrize("path", LOGPROB_PATHS)
+def test_min_p_keeps_the_sampled_token_at_the_threshold(path):
     """The engine kept (it sampled) a token that the float32 replay puts just below the threshold.
 
     Its log-prob must stay finite (else old and new log-probs are both -inf and the ratio is
@@ -140,7 +202,7 @@ def test_min_p_keeps_the_sampled_token_at_the_threshold():
     logits = torch.tensor([[0.0, math.log(min_p) - 1e-4, -1.0, -9.0]])
     token_ids = torch.tensor([1])
     logits.requires_grad_(True)
-    logps, _ = loss.token_logps_and_entropies(logits, token_ids, 1.0, min_p)
+    logps, _ = LOGPROB_PATHS[path](logits, token_ids, 1.0, min_p)
     logps.sum().backward()
     kept = torch.tensor([0.0, math.log(min_p) - 1e-4, -1.0]).double()
     assert torch.isfinite(logps).all() and torch.isfinite(logits.grad).all()
@@ -148,13 +210,15 @@ def test_min_p_keeps_the_sampled_token_at_the_threshold():
     assert logits.grad[0, 3].item() == 0.0  # the token min-p really dropped gets no gradient
 
 
-def test_entropies_closed_forms_and_no_gradient():
+@pytest.mark.parametrize("path", LOGPROB_PATHS)
+def test_entropies_closed_forms_and_no_gradient(path):
+    token_logps_and_entropies = LOGPROB_PATHS[path]
     vocab = 8
     logits = torch.zeros(2, vocab)
     logits[1] = float("-inf")  # a one-hot distribution, written with -inf logits (masked vocab)
     logits[1, 3] = 5.0
     logits.requires_grad_(True)
-    logps, entropies = loss.token_logps_and_entropies(logits, torch.tensor([0, 3]), temperature=0.5)
+    logps, entropies = token_logps_and_entropies(logits, torch.tensor([0, 3]), temperature=0.5)
     assert entropies.tolist() == pytest.approx([math.log(vocab), 0.0], abs=1e-6)
     assert logps.tolist() == pytest.approx([-math.log(vocab), 0.0], abs=1e-6)
     # Eq. 12's H_t is a detached signal: it carries no gradient even from logits that do.
@@ -164,12 +228,14 @@ def test_entropies_closed_forms_and_no_gradient():
     # Temperature: H of softmax(z / T) for two logits (0, 1) at T = 2 is the binary entropy of
     # p = sigmoid(1/2).
     p = 1.0 / (1.0 + math.exp(-0.5))
-    _, entropy = loss.token_logps_and_entropies(torch.tensor([[1.0, 0.0]]), torch.tensor([0]), temperature=2.0)
+    _, entropy = token_logps_and_entropies(
+        torch.tensor([[1.0, 0.0]]), torch.tensor([0]), temperature=2.0
+    )
     assert entropy.item() == pytest.approx(-(p * math.log(p) + (1 - p) * math.log(1 - p)), abs=1e-6)
 
 
 class LargeAllocations(TorchDispatchMode):
-    """Records (op, dtype, numel) of every op output that owns fresh storage of >= ``numel`` elements.
+    """Records (op, dtype, numel) of each op output owning fresh storage of >= ``numel`` elements.
 
     Views (reshape, slicing) share their input's storage and are not counted; ``out=`` results
     write into an input and are not counted either.
@@ -182,11 +248,17 @@ class LargeAllocations(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_flatten((args, kwargs))[0]
+            if isinstance(t, torch.Tensor)
+        }
         for t in tree_flatten(out)[0]:
-            if (isinstance(t, torch.Tensor) and t.numel() >= self.numel
-                    and t.untyped_storage().data_ptr() not in inputs):
+            if (
+                isinstance(t, torch.Tensor)
+                and t.numel() >= self.numel
+                and t.untyped_storage().data_ptr() not in inputs
+            ):
                 self.allocations.append((str(func), t.dtype, t.numel()))
         return out
 
@@ -195,32 +267,45 @@ class LargeAllocations(TorchDispatchMode):
 def test_chunked_path_never_materializes_a_float32_rows_by_vocab_tensor(min_p, monkeypatch):
     batch, length, vocab = 2, 32, 2048
     rows_per_chunk = 8
-    monkeypatch.setattr(loss, "CHUNK_BYTES", 4 * vocab * rows_per_chunk)  # the default chunking
+    monkeypatch.setattr(
+        fast_logprobs, "CHUNK_BYTES", 4 * vocab * rows_per_chunk
+    )  # the default chunking
     logits = random_logits(batch, length, vocab, dtype=torch.bfloat16).requires_grad_(True)
-    token_ids, _ = sample_truncated(logits.detach(), 0.9, max(min_p, 1e-9), torch.Generator().manual_seed(6))
+    token_ids, _ = sample_truncated(
+        logits.detach(), 0.9, max(min_p, 1e-9), torch.Generator().manual_seed(6)
+    )
 
     # Anything of more than two chunks' size, forward and backward.
     with LargeAllocations(2 * rows_per_chunk * vocab + 1) as seen:
-        logps, entropies = loss.token_logps_and_entropies(logits, token_ids, 0.9, min_p)
+        logps, entropies = chunked_token_logps_and_entropies(logits, token_ids, 0.9, min_p)
         logps.sum().backward()
     # No float32 work space beyond a couple of chunks; the only large allocation allowed is the
     # gradient that the bf16 logits need anyway, in bf16.
-    assert all(dtype == torch.bfloat16 and numel == batch * length * vocab
-               for _, dtype, numel in seen.allocations), seen.allocations
+    assert all(
+        dtype == torch.bfloat16 and numel == batch * length * vocab
+        for _, dtype, numel in seen.allocations
+    ), seen.allocations
     assert torch.isfinite(logps).all() and torch.isfinite(entropies).all()
 
 
-@pytest.mark.xfail(strict=True, reason="known: reshape(-1, V) copies non-contiguous logits once; "
-                   "slice the hidden states before lm_head instead (see token_logps_and_entropies)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="known: reshape(-1, V) copies non-contiguous logits once; "
+    "slice the hidden states before lm_head instead (see chunked_token_logps_and_entropies)",
+)
 def test_completion_slice_of_float32_logits_is_not_copied():
     """logits[:, prompt_len - 1 : -1] (the ValueError's advice) is not contiguous: no full copy."""
     batch, length, vocab, prompt_len = 2, 40, 2048, 9
     full_logits = random_logits(batch, length, vocab)
-    token_ids = torch.randint(vocab, (batch, length - prompt_len), generator=torch.Generator().manual_seed(7))
+    token_ids = torch.randint(
+        vocab, (batch, length - prompt_len), generator=torch.Generator().manual_seed(7)
+    )
     completion_logits = full_logits[:, prompt_len - 1 : -1]
     assert not completion_logits.is_contiguous()
     with LargeAllocations(completion_logits.numel() // 2) as seen, torch.no_grad():
-        logps, _ = loss.token_logps_and_entropies(completion_logits, token_ids, 1.0, 0.0, chunk_rows=8)
+        logps, _ = chunked_token_logps_and_entropies(
+            completion_logits, token_ids, 1.0, 0.0, chunk_rows=8
+        )
     assert seen.allocations == []
     ref_logps, _ = naive_logps_and_entropies(completion_logits, token_ids)
     torch.testing.assert_close(logps.double(), ref_logps, rtol=0, atol=2e-5)
@@ -229,17 +314,21 @@ def test_completion_slice_of_float32_logits_is_not_copied():
 def test_bad_logits_raise_clear_errors():
     logits = torch.randn(3, 4, 10)
     with pytest.raises(ValueError, match="disagree"):
-        loss.token_logps_and_entropies(logits, torch.zeros(3, 5, dtype=torch.long))
+        chunked_token_logps_and_entropies(logits, torch.zeros(3, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature"):
-        loss.token_logps_and_entropies(logits, torch.zeros(3, 4, dtype=torch.long), temperature=0.0)
+        chunked_token_logps_and_entropies(
+            logits, torch.zeros(3, 4, dtype=torch.long), temperature=0.0
+        )
     with pytest.raises(ValueError, match="min_p"):
-        loss.token_logps_and_entropies(logits, torch.zeros(3, 4, dtype=torch.long), min_p=1.0)
+        chunked_token_logps_and_entropies(logits, torch.zeros(3, 4, dtype=torch.long), min_p=1.0)
     for bad in (float("nan"), float("inf")):
         broken = logits.clone()
         broken[1, 2, 7] = bad
         for min_p in (0.0, 0.1):
             with pytest.raises(ValueError, match="NaN or inf"):
-                loss.token_logps_and_entropies(broken, torch.zeros(3, 4, dtype=torch.long), min_p=min_p)
+                chunked_token_logps_and_entropies(
+                    broken, torch.zeros(3, 4, dtype=torch.long), min_p=min_p
+                )
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,7 +344,20 @@ def test_grpo_advantages_by_hand():
     # Group 2: mean 1/2, Bessel std sqrt(4 * 0.25 / 3) = 1/sqrt(3). Group 3: all equal -> 0.
     eps = 1e-4
     s1, s2 = 0.5 + eps, 1 / math.sqrt(3) + eps
-    expected = [0.75 / s1, -0.25 / s1, -0.25 / s1, -0.25 / s1, 0.5 / s2, 0.5 / s2, -0.5 / s2, -0.5 / s2, 0, 0, 0, 0]
+    expected = [
+        0.75 / s1,
+        -0.25 / s1,
+        -0.25 / s1,
+        -0.25 / s1,
+        0.5 / s2,
+        0.5 / s2,
+        -0.5 / s2,
+        -0.5 / s2,
+        0,
+        0,
+        0,
+        0,
+    ]
     assert loss.grpo_advantages(REWARDS, 4).tolist() == pytest.approx(expected, abs=1e-6)
     assert loss.compute_advantages(REWARDS, 4, "grpo").tolist() == pytest.approx(expected, abs=1e-6)
 
@@ -264,7 +366,9 @@ def test_dr_grpo_and_rloo_advantages_by_hand():
     # Dr. GRPO: r - mean(r). RLOO: r_i - mean of the other three.
     dr_grpo = [0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5, 0, 0, 0, 0]
     rloo = [1.0, -1 / 3, -1 / 3, -1 / 3, 2 / 3, 2 / 3, -2 / 3, -2 / 3, 0, 0, 0, 0]
-    assert loss.compute_advantages(REWARDS, 4, "dr_grpo").tolist() == pytest.approx(dr_grpo, abs=1e-6)
+    assert loss.compute_advantages(REWARDS, 4, "dr_grpo").tolist() == pytest.approx(
+        dr_grpo, abs=1e-6
+    )
     assert loss.compute_advantages(REWARDS, 4, "rloo").tolist() == pytest.approx(rloo, abs=1e-6)
 
 
@@ -279,11 +383,25 @@ def test_bnpo_beta_parameters_and_advantages_by_hand():
 
     def density(p):  # f_Beta(p; 8/3, 13/3), with B(a, b) = Gamma(a) Gamma(b) / Gamma(a + b)
         a, b = 8 / 3, 13 / 3
-        return p ** (a - 1) * (1 - p) ** (b - 1) * math.gamma(a + b) / (math.gamma(a) * math.gamma(b))
+        return (
+            p ** (a - 1) * (1 - p) ** (b - 1) * math.gamma(a + b) / (math.gamma(a) * math.gamma(b))
+        )
 
     f1, f2 = density(0.25), density(0.5)
-    expected = [0.75 / f1, -0.25 / f1, -0.25 / f1, -0.25 / f1, -0.25 / f1, -0.25 / f1, 0.75 / f1, -0.25 / f1,
-                0.5 / f2, -0.5 / f2, 0.5 / f2, -0.5 / f2]
+    expected = [
+        0.75 / f1,
+        -0.25 / f1,
+        -0.25 / f1,
+        -0.25 / f1,
+        -0.25 / f1,
+        -0.25 / f1,
+        0.75 / f1,
+        -0.25 / f1,
+        0.5 / f2,
+        -0.5 / f2,
+        0.5 / f2,
+        -0.5 / f2,
+    ]
     assert loss.compute_advantages(rewards, 4, "bnpo").tolist() == pytest.approx(expected, rel=1e-5)
     assert loss.beta_density(p_hat, alpha, beta).tolist() == pytest.approx([f1, f1, f2], rel=1e-5)
 
@@ -309,7 +427,9 @@ def test_bnpo_at_alpha_beta_three_halves_is_proportional_to_grpo():
         grpo = loss.grpo_advantages(rewards, group_size, eps=0.0)
         ratios.append((bnpo / grpo).tolist())
     constant = math.pi / 8 * math.sqrt(group_size / (group_size - 1))
-    assert [r for row in ratios for r in row] == pytest.approx([constant] * (group_size - 1) * group_size, rel=1e-5)
+    assert [r for row in ratios for r in row] == pytest.approx(
+        [constant] * (group_size - 1) * group_size, rel=1e-5
+    )
 
 
 @pytest.mark.parametrize("kind", loss.ADVANTAGES)
@@ -354,7 +474,9 @@ def test_clipped_surrogate_by_hand_with_asymmetric_eps():
     ratios = torch.tensor([[1.1, 1.5, 0.5], [1.1, 1.5, 0.5]], dtype=torch.float64)
     advantages = torch.tensor([2.0, -2.0], dtype=torch.float64)
     logps = ratios.log().requires_grad_(True)
-    per_token, ratio = loss.clipped_surrogate(logps, torch.zeros_like(logps), advantages, eps_low, eps_high)
+    per_token, ratio = loss.clipped_surrogate(
+        logps, torch.zeros_like(logps), advantages, eps_low, eps_high
+    )
     # A > 0: -min(rho A, clip(rho) A): 1.1 inside -> -2.2; 1.5 above -> -1.3 * 2 (clipped);
     #        0.5 below -> -0.5 * 2 (the min keeps the unclipped, worse value).
     # A < 0: 1.1 inside -> 2.2; 1.5 above -> 1.5 * 2 (unclipped); 0.5 below -> 0.9 * 2 (clipped).
@@ -378,7 +500,11 @@ def penalty_and_grad(log_u, kl, estimator):
     logps = torch.zeros(len(log_u), dtype=torch.float64, requires_grad=True)
     anchor_logps = torch.tensor(log_u, dtype=torch.float64)
     value = loss.anchor_penalty(logps, anchor_logps, kl, estimator)
-    grad = torch.autograd.grad(value.sum(), logps, allow_unused=True)[0] if value.requires_grad else None
+    grad = (
+        torch.autograd.grad(value.sum(), logps, allow_unused=True)[0]
+        if value.requires_grad
+        else None
+    )
     return value.detach(), grad
 
 
@@ -409,7 +535,9 @@ def test_anchor_penalty_gradients():
 
 
 def test_forward_and_k3_estimators_are_nonnegative_and_zero_at_u_one():
-    log_u = torch.cat([torch.linspace(-6, 6, 240, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)])
+    log_u = torch.cat(
+        [torch.linspace(-6, 6, 240, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)]
+    )
     for kl, estimator in [("forward", "k3"), ("reverse", "k3"), ("reverse", "k2")]:
         value = loss.anchor_penalty(torch.zeros_like(log_u), log_u, kl, estimator)
         assert (value >= 0).all()
@@ -435,17 +563,23 @@ MASK = torch.tensor([[1.0, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 0]])  # 3 + 1 + 3 =
 def test_aggregations_by_hand():
     assert loss.aggregate(PER_TOKEN, MASK, "grpo").item() == pytest.approx((2.0 + 4.0 + 7.0) / 3)
     assert loss.aggregate(PER_TOKEN, MASK, "batch_token_mean").item() == pytest.approx(31 / 7)
-    assert loss.aggregate(PER_TOKEN, MASK, "dr_grpo", max_completion_length=5).item() == pytest.approx(31 / 15)
+    assert loss.aggregate(
+        PER_TOKEN, MASK, "dr_grpo", max_completion_length=5
+    ).item() == pytest.approx(31 / 15)
     assert loss.aggregate(PER_TOKEN, MASK, "dapo").item() == pytest.approx(31 / 7)
-    assert loss.aggregate(PER_TOKEN, MASK, "dapo", global_num_tokens=10).item() == pytest.approx(3.1)
+    assert loss.aggregate(PER_TOKEN, MASK, "dapo", global_num_tokens=10).item() == pytest.approx(
+        3.1
+    )
 
 
 def test_dapo_micro_batches_sum_to_the_token_mean_of_the_whole_batch():
     per_token = PER_TOKEN.clone().requires_grad_(True)
     global_num_tokens = int(MASK.sum())
     micro_batches = [slice(0, 1), slice(1, 3)]
-    total = sum(loss.aggregate(per_token[rows], MASK[rows], "dapo", global_num_tokens=global_num_tokens)
-                for rows in micro_batches)
+    total = sum(
+        loss.aggregate(per_token[rows], MASK[rows], "dapo", global_num_tokens=global_num_tokens)
+        for rows in micro_batches
+    )
     total.backward()
     whole = PER_TOKEN.clone().requires_grad_(True)
     expected = loss.aggregate(whole, MASK, "batch_token_mean")
@@ -479,23 +613,50 @@ def hand_case():
     q = torch.tensor([[1.0, 1.3, 1.0], [0.8, 1.0, 1.0]])
     advantages = torch.tensor([1.0, -1.0])
     entropies = torch.tensor([[0.5, 2.0, 0.1], [1.5, 0.3, 7.0]])
-    return dict(logps=logps, old_logps=old_logps, advantages=advantages, completion_mask=mask,
-                ref_logps=ref_logps, log_q=q.log(), entropies=entropies)
+    return dict(
+        logps=logps,
+        old_logps=old_logps,
+        advantages=advantages,
+        completion_mask=mask,
+        ref_logps=ref_logps,
+        log_q=q.log(),
+        entropies=entropies,
+    )
+
+
+def run_loss(case, engine_logps=None, weights=None, q_constant=False, **options):
+    """policy_loss on a ``hand_case``-shaped dict; ``options`` are LossConfig's fields."""
+    fixed = loss.HeldFixed(
+        case["old_logps"],
+        case.get("ref_logps"),
+        case.get("log_q"),
+        case.get("entropies"),
+        engine_logps=engine_logps,
+        importance_weights=weights,
+    )
+    return loss.policy_loss(
+        case["logps"],
+        case["advantages"],
+        case["completion_mask"],
+        fixed,
+        loss.LossConfig(**options),
+        q_constant_per_position=q_constant,
+    )
 
 
 def test_policy_loss_and_metrics_by_hand():
     case = hand_case()
     beta = 0.1
     logps = case["logps"].clone().requires_grad_(True)
-    total, metrics = loss.policy_loss(**{**case, "logps": logps}, beta=beta, q_constant_per_position=True)
+    total, metrics = run_loss({**case, "logps": logps}, beta=beta, q_constant=True)
 
     # Independently, in float64, token by token (eps = 0.2 both sides, grpo aggregation).
     mask = case["completion_mask"].double()
-    l, old, ref, log_q = (case[k].double() for k in ("logps", "old_logps", "ref_logps", "log_q"))
-    rho = torch.exp(l - old)
+    new, old, ref, log_q = (case[k].double() for k in ("logps", "old_logps", "ref_logps", "log_q"))
+    rho = torch.exp(new - old)
     a = case["advantages"].double()[:, None]
     surrogate = -torch.minimum(rho * a, rho.clamp(0.8, 1.2) * a)
-    log_u = ref + log_q - l
+    log_u = ref + log_q - new
     k3 = log_u.exp() - 1 - log_u
     per_token = (surrogate + beta * k3) * mask
     expected_loss = (per_token.sum(-1) / mask.sum(-1)).mean()
@@ -504,7 +665,7 @@ def test_policy_loss_and_metrics_by_hand():
     def token_mean(x):
         return ((x * mask).sum() / mask.sum()).item()
 
-    ref_log_u = ref - l
+    ref_log_u = ref - new
     q = log_q.exp()
     expected = {
         "loss": expected_loss.item(),
@@ -527,11 +688,20 @@ def test_policy_loss_and_metrics_by_hand():
     assert all(isinstance(v, float) for v in metrics.values())
 
 
-@pytest.mark.parametrize("eps_low,eps_high,low,high", [(0.1, 0.3, 1 / 5, 1 / 5), (0.35, 0.6, 0.0, 0.0),
-                                                      (0.2, 0.6, 1 / 5, 0.0), (0.4, 0.28, 0.0, 1 / 5)])
-def test_clip_fractions_count_only_the_clipped_side_of_each_advantage_sign(eps_low, eps_high, low, high):
+@pytest.mark.parametrize(
+    "eps_low,eps_high,low,high",
+    [
+        (0.1, 0.3, 1 / 5, 1 / 5),
+        (0.35, 0.6, 0.0, 0.0),
+        (0.2, 0.6, 1 / 5, 0.0),
+        (0.4, 0.28, 0.0, 1 / 5),
+    ],
+)
+def test_clip_fractions_count_only_the_clipped_side_of_each_advantage_sign(
+    eps_low, eps_high, low, high
+):
     # Ratios 1.5 (A > 0) and 0.7 (A < 0) can clip; 0.7 with A > 0 never does (the min keeps it).
-    _, metrics = loss.policy_loss(**hand_case(), beta=0.0, eps_low=eps_low, eps_high=eps_high)
+    _, metrics = run_loss(hand_case(), beta=0.0, eps_low=eps_low, eps_high=eps_high)
     assert metrics["clip_ratio/low"] == pytest.approx(low)
     assert metrics["clip_ratio/high"] == pytest.approx(high)
     assert metrics["clip_ratio/region"] == pytest.approx(low + high)
@@ -544,14 +714,24 @@ def test_branch_guide_from_the_policys_own_forward_pass_sends_gradient_only_to_t
     logits = random_logits(2, 6, 16, scale=0.5).requires_grad_(True)  # high entropy: log 16 = 2.77
     token_ids, _ = sample_truncated(logits.detach(), 1.0, 1e-9, torch.Generator().manual_seed(8))
     mask = torch.tensor([[1.0] * 6, [1.0] * 4 + [0.0] * 2])
-    logps, entropies = loss.token_logps_and_entropies(logits, token_ids)
-    log_q = guides.compute_log_q(guides.GuideConfig("branch"), logps, entropies, mask, step=0, total_steps=10)
+    logps, entropies = chunked_token_logps_and_entropies(logits, token_ids)  # the trainer's path
+    log_q = guides.compute_log_q(
+        guides.GuideConfig("branch"), logps, entropies, mask, step=0, total_steps=10
+    )
     assert not log_q.requires_grad and not entropies.requires_grad
     expected_q = (1 + 0.3 * (entropies - 1.2).clamp_min(0)).clamp(0.6, 1.4)
     torch.testing.assert_close(log_q, expected_q.log() * mask)
-    total, metrics = loss.policy_loss(logps, logps.detach(), torch.tensor([1.0, -1.0]), mask,
-                                      ref_logps=logps.detach(), log_q=log_q, entropies=entropies,
-                                      q_constant_per_position=True)
+    fixed = loss.HeldFixed(
+        logps.detach(), ref_logps=logps.detach(), log_q=log_q, entropies=entropies
+    )
+    total, metrics = loss.policy_loss(
+        logps,
+        torch.tensor([1.0, -1.0]),
+        mask,
+        fixed,
+        loss.LossConfig(),
+        q_constant_per_position=True,
+    )
     total.backward()
     assert logits.grad is not None and torch.isfinite(logits.grad).all()
     assert metrics["q/frac_active"] == 1.0 and metrics["q/min"] > 1.0  # every H_t > tau here
@@ -564,25 +744,55 @@ def test_the_k3_offset_is_logged_only_where_it_is_defined():
     """The token guide gives q only to the sampled token: E_ref[q] at a position, and so the offset
     E[k3 against p~] - KL = E_ref[q] - 1 - E_pi[log q], cannot be computed from the samples."""
     case = hand_case()
-    _, metrics = loss.policy_loss(**case, beta=0.1)
+    _, metrics = run_loss(case, beta=0.1)
     assert "kl/anchor_offset" not in metrics and "q/mean" in metrics
 
 
 def test_negative_clip_epsilons_are_rejected():
-    """eps_high = -1 would clip the ratio to [0.8, 0.0] and silently drop every positive advantage's gradient."""
-    case = hand_case()
+    """eps_high = -1 would clip the ratio to [0.8, 0.0], dropping every A > 0 gradient."""
     with pytest.raises(ValueError, match="eps_high >= 0"):
-        loss.policy_loss(**case, eps_high=-1.0)
+        loss.LossConfig(eps_high=-1.0)
     with pytest.raises(ValueError, match="0 <= eps_low < 1"):
-        loss.policy_loss(**case, eps_low=1.5)
+        loss.LossConfig(eps_low=1.5)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("advantage", "ppo", "unknown --advantage 'ppo'"),
+        ("aggregation", "sum", "unknown --loss-agg 'sum'"),
+        ("kl", "sideways", "unknown --kl 'sideways'"),
+        ("kl_estimator", "k4", "unknown --kl-estimator 'k4'"),
+        ("beta", -0.1, "--beta must be finite and >= 0"),
+        ("beta", float("inf"), "--beta must be finite"),
+        ("tis_cap", float("nan"), "--tis-cap must be finite"),
+        ("tis_cap", -1.0, "--tis-cap must be finite and >= 0"),
+    ],
+)
+def test_a_loss_config_that_cannot_run_is_rejected_in_one_line(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        loss.LossConfig(**{field: value})
+    assert loss.LossConfig() == loss.LossConfig(
+        advantage="grpo",
+        aggregation="grpo",
+        eps_low=0.2,
+        eps_high=0.2,
+        kl="reverse",
+        kl_estimator="k3",
+        beta=0.05,
+        tis_cap=0.0,
+    )
 
 
 def test_policy_loss_gradient_never_flows_into_the_anchor_or_the_signals():
-    """log_q, ref_logps, old_logps and the entropies are held fixed (Eq. 3), even if they require grad."""
+    """log_q, ref_logps, old_logps and the entropies are held fixed (Eq. 3), even with a grad."""
     case = hand_case()
-    fixed = {k: case[k].clone().requires_grad_(True) for k in ("old_logps", "ref_logps", "log_q", "entropies")}
+    fixed = {
+        k: case[k].clone().requires_grad_(True)
+        for k in ("old_logps", "ref_logps", "log_q", "entropies")
+    }
     logps = case["logps"].clone().requires_grad_(True)
-    total, _ = loss.policy_loss(**{**case, **fixed, "logps": logps}, beta=0.5)
+    total, _ = run_loss({**case, **fixed, "logps": logps}, beta=0.5)
     total.backward()
     assert logps.grad is not None and logps.grad.abs().sum() > 0
     for name, tensor in fixed.items():
@@ -594,7 +804,7 @@ def test_k1_return_contributes_nothing_to_the_loss():
     results = []
     for beta, estimator in [(0.0, "k3"), (5.0, "k1_return")]:
         logps = case["logps"].clone().requires_grad_(True)
-        total, _ = loss.policy_loss(**{**case, "logps": logps}, beta=beta, kl_estimator=estimator)
+        total, _ = run_loss({**case, "logps": logps}, beta=beta, kl_estimator=estimator)
         total.backward()
         results.append((total.item(), logps.grad))
     assert results[0][0] == results[1][0]
@@ -603,20 +813,40 @@ def test_k1_return_contributes_nothing_to_the_loss():
 
 def test_beta_zero_or_kl_none_needs_no_reference():
     case = {**hand_case(), "ref_logps": None}
-    with_beta_zero, metrics = loss.policy_loss(**case, beta=0.0)
-    with_kl_none, _ = loss.policy_loss(**case, kl="none")
+    with_beta_zero, metrics = run_loss(case, beta=0.0)
+    with_kl_none, _ = run_loss(case, kl="none")
     assert with_beta_zero.item() == with_kl_none.item()
     assert "kl/ref_k3" not in metrics
     with pytest.raises(ValueError, match="needs ref_logps"):
-        loss.policy_loss(**case, beta=0.05)
+        run_loss(case, beta=0.05)
 
 
 def test_importance_weights_scale_the_surrogate():
     case = hand_case()
     weights = torch.full_like(case["logps"], 2.0)
-    plain, _ = loss.policy_loss(**case, beta=0.0)
-    weighted, _ = loss.policy_loss(**case, beta=0.0, importance_weights=weights)
+    plain, _ = run_loss(case, beta=0.0)
+    weighted, _ = run_loss(case, beta=0.0, weights=weights)
     assert weighted.item() == pytest.approx(2 * plain.item())
+
+
+def test_tis_cap_weights_the_surrogate_by_min_of_pi_old_over_pi_engine_and_the_cap():
+    """--tis-cap C: the weights are min(pi_old / pi_engine, C) on completion tokens, as the trainer
+    made them before they moved into policy_loss; 0 turns them off."""
+    case = hand_case()
+    mask = case["completion_mask"]
+    engine_logps = case["old_logps"] - torch.tensor([[math.log(3.0), 0.0, -0.5], [0.2, 0.0, 0.0]])
+    capped, _ = run_loss(case, engine_logps=engine_logps, beta=0.1, tis_cap=2.0)
+    weights = torch.exp(case["old_logps"] - engine_logps).clamp(max=2.0) * mask
+    expected, _ = run_loss(case, weights=weights, beta=0.1)
+    assert capped.item() == expected.item()
+    assert weights[0, 0].item() == 2.0  # pi_old / pi_engine = 3, capped
+    off, _ = run_loss(case, engine_logps=engine_logps, beta=0.1)
+    plain, _ = run_loss(case, beta=0.1)
+    assert off.item() == plain.item() != capped.item()
+    with pytest.raises(ValueError, match="needs engine_logps"):
+        run_loss(case, tis_cap=2.0)
+    with pytest.raises(ValueError, match="not both"):
+        run_loss(case, engine_logps=engine_logps, weights=weights, tis_cap=2.0)
 
 
 def test_padding_content_never_changes_the_loss_or_its_gradient():
@@ -624,10 +854,12 @@ def test_padding_content_never_changes_the_loss_or_its_gradient():
     padding = ~case["completion_mask"].bool()
 
     def run(fill):
-        inputs = {k: (v.masked_fill(padding, fill) if v.dim() == 2 and k != "completion_mask" else v)
-                  for k, v in case.items()}
+        inputs = {
+            k: (v.masked_fill(padding, fill) if v.dim() == 2 and k != "completion_mask" else v)
+            for k, v in case.items()
+        }
         logps = inputs["logps"].clone().requires_grad_(True)
-        total, metrics = loss.policy_loss(**{**inputs, "logps": logps}, beta=0.1, kl="reverse")
+        total, metrics = run_loss({**inputs, "logps": logps}, beta=0.1, kl="reverse")
         total.backward()
         return total.item(), logps.grad[~padding], metrics
 
@@ -642,20 +874,20 @@ def test_padding_content_never_changes_the_loss_or_its_gradient():
 def test_policy_loss_bad_inputs_raise_clear_errors():
     case = hand_case()
     with pytest.raises(ValueError, match="old_logps has shape"):
-        loss.policy_loss(**{**case, "old_logps": case["old_logps"][:, :2]})
+        run_loss({**case, "old_logps": case["old_logps"][:, :2]})
     with pytest.raises(ValueError, match="advantages must be"):
-        loss.policy_loss(**{**case, "advantages": torch.zeros(3)})
+        run_loss({**case, "advantages": torch.zeros(3)})
     with pytest.raises(ValueError, match="completion_mask must be"):
-        loss.policy_loss(**{**case, "completion_mask": case["completion_mask"][0]})
+        run_loss({**case, "completion_mask": case["completion_mask"][0]})
     with pytest.raises(ValueError, match="all zeros"):
-        loss.policy_loss(**{**case, "completion_mask": torch.zeros(2, 3)})
+        run_loss({**case, "completion_mask": torch.zeros(2, 3)})
     for name in ("logps", "old_logps", "ref_logps", "log_q"):
         broken = case[name].clone()
         broken[1, 0] = float("nan")
         with pytest.raises(ValueError, match=f"{name} has NaN"):
-            loss.policy_loss(**{**case, name: broken})
+            run_loss({**case, name: broken})
     with pytest.raises(ValueError, match="advantages has NaN"):
-        loss.policy_loss(**{**case, "advantages": torch.tensor([1.0, float("nan")])})
+        run_loss({**case, "advantages": torch.tensor([1.0, float("nan")])})
 
 
 # ---- batches and log-probs of a model (collate, completion_logps) ----
@@ -665,8 +897,13 @@ def test_left_padding_does_not_change_log_probs(tiny):
     model, tokenizer = tiny
     prompt = tokenizer("What is 3 + 4?")["input_ids"]
     completion = tokenizer("<start_working_out>3+4=7")["input_ids"]
-    alone = loss.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
-    padded = loss.collate([[1, 2, 3, 4, 5] + prompt, prompt], [completion[:3], completion], tokenizer.pad_token_id, "cpu")
+    alone = batches.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
+    padded = batches.collate(
+        [[1, 2, 3, 4, 5] + prompt, prompt],
+        [completion[:3], completion],
+        tokenizer.pad_token_id,
+        "cpu",
+    )
     with torch.no_grad():
         logps_alone, entropies_alone = loss.completion_logps(model, alone, 1.0, 0.0)
         logps_padded, entropies_padded = loss.completion_logps(model, padded, 1.0, 0.0)
@@ -678,12 +915,16 @@ def test_left_padding_does_not_change_log_probs(tiny):
 def test_completion_logps_match_a_full_forward(tiny):
     model, tokenizer = tiny
     prompt, completion = tokenizer("Add 2 and 5.")["input_ids"], tokenizer("2+5=7")["input_ids"]
-    batch = loss.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
+    batch = batches.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
     with torch.no_grad():
         logps, _ = loss.completion_logps(model, batch, 0.7, 0.05)
         logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1] / 0.7
         keep = logits.softmax(-1) >= 0.05 * logits.softmax(-1).max(-1, keepdim=True).values
-        expected = logits.masked_fill(~keep, float("-inf")).log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])
+        expected = (
+            logits.masked_fill(~keep, float("-inf"))
+            .log_softmax(-1)
+            .gather(-1, torch.tensor(completion)[:, None])
+        )
     torch.testing.assert_close(logps[0], expected[:, 0], atol=1e-5, rtol=0)
 
 
@@ -693,7 +934,7 @@ def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(ti
     import copy
     import random
 
-    import models
+    from machinery import models
 
     model = models.wrap_lora(copy.deepcopy(tiny[0]), rank=4, alpha=8)
     with torch.no_grad():
@@ -703,17 +944,25 @@ def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(ti
     model.train()
     rng, prompts, completions = random.Random(0), [], []
     for _ in range(3):
-        prompt = [rng.randrange(5, 300) for _ in range(rng.randint(5, 12))]  # prompts of different lengths
+        prompt = [
+            rng.randrange(5, 300) for _ in range(rng.randint(5, 12))
+        ]  # prompts of different lengths
         for _ in range(4):
             prompts.append(prompt)
             completions.append([rng.randrange(5, 300) for _ in range(rng.randint(1, 9))])
     results = []
     for group_size in (1, 4):
-        batch = loss.collate(prompts, completions, 0, "cpu", group_size=group_size)
+        batch = batches.collate(prompts, completions, 0, "cpu", group_size=group_size)
         assert batch["group_size"] == group_size
         logps, entropies = loss.completion_logps(model, batch, 0.8, 0.05)
         (logps * batch["completion_mask"]).sum().backward()
-        results.append((logps.detach(), entropies, [p.grad.clone() for p in model.parameters() if p.requires_grad]))
+        results.append(
+            (
+                logps.detach(),
+                entropies,
+                [p.grad.clone() for p in model.parameters() if p.requires_grad],
+            )
+        )
         model.zero_grad()
     mask = batch["completion_mask"].bool()
     (plain_logps, plain_entropies, plain_grads), (logps, entropies, grads) = results
@@ -721,4 +970,16 @@ def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(ti
     torch.testing.assert_close(entropies[mask], plain_entropies[mask], atol=1e-5, rtol=0)
     for got, expected in zip(grads, plain_grads):
         torch.testing.assert_close(got, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
-    assert loss.collate(prompts[1:] + prompts[:1], completions, 0, "cpu", group_size=4)["group_size"] == 1
+    assert (
+        batches.collate(prompts[1:] + prompts[:1], completions, 0, "cpu", group_size=4)[
+            "group_size"
+        ]
+        == 1
+    )
+
+
+def test_the_logged_k3_is_the_penalty_k3():
+    from machinery.loss_metrics import k3
+
+    logps, anchor = -torch.rand(3, 5), -torch.rand(3, 5)
+    assert torch.equal(k3(logps, anchor), loss.anchor_penalty(logps, anchor, "reverse", "k3"))

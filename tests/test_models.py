@@ -1,5 +1,5 @@
-"""models.py: LoRA with gradient checkpointing keeps the adapters' gradient; full fine-tuning keeps float32 weights;
-on the CPU, freed activations are reused without page faults."""
+"""models.py: LoRA with gradient checkpointing keeps the adapters' gradient; full fine-tuning
+keeps float32 weights; on the CPU, freed activations are reused without page faults."""
 
 import os
 import subprocess
@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-import demo
 import loss
-import models
+from extras import demo
+from machinery import batches, models
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,19 +29,31 @@ def test_gradient_checkpointing_keeps_the_lora_gradient(tmp_path):
                 if "lora_B" in name:
                     parameter.normal_(generator=torch.Generator().manual_seed(len(name)))
         policy.train()
-        prompt, completion = tokenizer("What is 3 + 4?")["input_ids"], tokenizer("3+4=7")["input_ids"]
-        batch = loss.collate([prompt, prompt[2:]], [completion, completion[:3]], tokenizer.pad_token_id, "cpu")
+        prompt, completion = (
+            tokenizer("What is 3 + 4?")["input_ids"],
+            tokenizer("3+4=7")["input_ids"],
+        )
+        batch = batches.collate(
+            [prompt, prompt[2:]], [completion, completion[:3]], tokenizer.pad_token_id, "cpu"
+        )
         logps, _ = loss.completion_logps(policy, batch, 1.0, 0.0)
         (logps * batch["completion_mask"]).sum().backward()
-        gradients.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad})
-    assert gradients[1].keys() == gradients[0].keys() and all(g.abs().sum() > 0 for g in gradients[1].values())
+        gradients.append(
+            {n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad}
+        )
+    assert gradients[1].keys() == gradients[0].keys() and all(
+        g.abs().sum() > 0 for g in gradients[1].values()
+    )
     for name in gradients[0]:
         torch.testing.assert_close(gradients[1][name], gradients[0][name], atol=1e-5, rtol=1e-4)
 
 
-def test_full_finetuning_keeps_float32_weights_on_cuda_because_bf16_rounds_adamw_steps_away(monkeypatch):
-    """In bf16, an AdamW step of lr = 5e-6 on a weight of 0.02 is lost to rounding (why the trained
-    weights stay float32); LoRA keeps the frozen base in bf16 and gets no flash-attention in float32."""
+def test_full_finetuning_keeps_float32_weights_on_cuda_because_bf16_rounds_adamw_steps_away(
+    monkeypatch,
+):
+    """In bf16, an AdamW step of lr = 5e-6 on a weight of 0.02 is lost to rounding (why the
+    trained weights stay float32); LoRA keeps the frozen base in bf16 and gets no flash-attention
+    in float32."""
     weight = torch.tensor([0.02], dtype=torch.bfloat16)
     assert torch.equal(weight - 5e-6, weight)  # the update rounds away
     assert not torch.equal(weight.float() - 5e-6, weight.float())
@@ -49,15 +61,17 @@ def test_full_finetuning_keeps_float32_weights_on_cuda_because_bf16_rounds_adamw
     assert models.device_and_dtype(full_finetune=True) == (torch.device("cuda"), torch.float32)
     assert models.device_and_dtype() == (torch.device("cuda"), torch.bfloat16)
     assert models.attention_implementation(torch.float32) == "sdpa"
-    # a 7B model: float32 weights, gradients, AdamW's moments and a reference copy, plus a bf16 engine
-    assert round(models.full_finetune_bytes(7_615_616_512, 4, True, True, engine_bytes=2) / 1e9) == 168
+    # a 7B model: float32 weights, gradients, AdamW's moments, a reference copy, a bf16 engine
+    assert (
+        round(models.full_finetune_bytes(7_615_616_512, 4, True, True, engine_bytes=2) / 1e9) == 168
+    )
 
 
 # Six 16 MiB activations alive at once, then freed (a micro-batch's pattern), twice to warm up and
 # ten times counted: prints the page faults of the ten.
 REUSE_PROGRAM = """
 import resource, torch
-import models
+from machinery import models
 assert models.keep_freed_memory()
 def micro_batch():
     blocks = [torch.ones(4 * 2**20) for _ in range(6)]
@@ -70,12 +84,15 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and getrusage's page faults")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="glibc's malloc and getrusage's page faults"
+)
 def test_keep_freed_memory_reuses_freed_activations_without_page_faults():
     """With it the ten micro-batches reuse the memory of the first two: at most one 16 MiB block
-    (4,096 pages) faults in again. Without it glibc usually unmaps the freed blocks or trims them off
-    the heap, and the ten fault ~245k pages (measured; a rare address layout keeps them by luck).
-    Its own process: mallopt is process-wide."""
-    result = subprocess.run([sys.executable, "-c", REUSE_PROGRAM], cwd=REPO, capture_output=True, text=True,
-                            check=True)
+    (4,096 pages) faults in again. Without it glibc usually unmaps the freed blocks or trims them
+    off the heap, and the ten fault ~245k pages (measured; a rare address layout keeps them by
+    luck). Its own process: mallopt is process-wide."""
+    result = subprocess.run(
+        [sys.executable, "-c", REUSE_PROGRAM], cwd=REPO, capture_output=True, text=True, check=True
+    )
     assert int(result.stdout.split()[-1]) <= 4096 + 64, result.stdout

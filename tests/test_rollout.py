@@ -20,13 +20,16 @@ import torch
 
 import loss
 import rollout
+from extras import hf_engine as hf_backend
+from machinery import engine_checks, vllm_cpu, weight_push
 
 MAX_MODEL_LEN = 256
 ON_CUDA = torch.cuda.is_available()
 
 
-def test_doctests_pass():
-    assert doctest.testmod(rollout).failed == 0
+@pytest.mark.parametrize("module", [rollout, engine_checks, hf_backend, vllm_cpu, weight_push])
+def test_doctests_pass(module):
+    assert doctest.testmod(module).failed == 0
 
 
 # --------------------------------------------------------------------------------------------
@@ -53,7 +56,9 @@ def test_sampling_config_rejects_bad_values_in_one_line(field, value, expected):
 
 @pytest.mark.parametrize("backend", rollout.BACKENDS)
 def test_missing_model_path_is_a_one_line_error(tmp_path, backend):
-    with pytest.raises(rollout.RolloutError, match="does not exist: pass a directory written by save_pretrained"):
+    with pytest.raises(
+        rollout.RolloutError, match="does not exist: pass a directory written by save_pretrained"
+    ):
         rollout.make_engine(str(tmp_path / "no_such_model"), backend)
 
 
@@ -95,13 +100,34 @@ def test_unsupported_head_size_on_cpu_names_the_sizes_that_work(tiny_model_dir, 
         rollout.make_engine(str(model_dir), "vllm")
 
 
-@pytest.mark.skipif(ON_CUDA, reason="on CPU the KV cache is a share of RAM, checked before vLLM starts")
+@pytest.mark.skipif(
+    ON_CUDA, reason="on CPU the KV cache is a share of RAM, checked before vLLM starts"
+)
 def test_out_of_memory_names_the_knob_to_lower(tiny_model_dir):
     # The CPU KV cache is what max_num_seqs sequences can use, capped at gpu_memory_utilization
     # x RAM: ten million sequences make the cap bind, and 99% of RAM is more than is free.
     with pytest.raises(rollout.RolloutError, match="out of memory: .*lower gpu_memory_utilization"):
-        rollout.make_engine(tiny_model_dir, "vllm", max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=0.99,
-                            max_num_seqs=10**7)
+        rollout.make_engine(
+            tiny_model_dir,
+            "vllm",
+            max_model_len=MAX_MODEL_LEN,
+            gpu_memory_utilization=0.99,
+            max_num_seqs=10**7,
+        )
+
+
+def test_cpu_engine_arguments_size_the_kv_cache_for_the_batch(tiny_model_dir):
+    """On CPU: 32-token blocks, no chunked prefill, and a KV cache of what max_num_seqs
+    sequences of max_model_len tokens can use (the tiny model: 2 layers, 2 KV heads of size 64)."""
+    config = engine_checks.load_model_config(tiny_model_dir)
+    kwargs = vllm_cpu.engine_kwargs(config, None, MAX_MODEL_LEN, "float32", {"max_num_seqs": 4})
+    per_token = 2 * 2 * 2 * 64 * 4  # K and V, layers, KV heads, head size, float32 bytes
+    assert kwargs == {
+        "gpu_memory_utilization": 0.05,
+        "kv_cache_memory_bytes": 4 * MAX_MODEL_LEN * per_token,
+        "enable_chunked_prefill": False,
+        "block_size": 32,
+    }
 
 
 def test_out_of_memory_during_a_weight_push_is_not_called_an_architecture_mismatch():
@@ -114,7 +140,10 @@ def test_out_of_memory_during_a_weight_push_is_not_called_an_architecture_mismat
 
     engine = object.__new__(rollout.VLLMEngine)  # no vLLM start: only the push's error handling
     engine.llm, engine._asleep, engine.model_path = OutOfMemoryLLM(), set(), "m"
-    with pytest.raises(rollout.RolloutError, match="out of memory pushing the weights .*lower gpu_memory_utilization"):
+    with pytest.raises(
+        rollout.RolloutError,
+        match="out of memory pushing the weights .*lower gpu_memory_utilization",
+    ):
         engine.sync_weights(torch.nn.Linear(2, 2))
 
 
@@ -154,7 +183,9 @@ def lora_policy(model, seed):
     from peft import LoraConfig, get_peft_model
 
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    peft_model = get_peft_model(perturbed(model, seed), LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    peft_model = get_peft_model(
+        perturbed(model, seed), LoraConfig(r=8, lora_alpha=16, target_modules=targets)
+    )
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in peft_model.named_parameters():
@@ -163,16 +194,21 @@ def lora_policy(model, seed):
     return peft_model.eval()
 
 
-def test_engine_weights_of_a_lora_model_are_the_merged_weights_and_leave_the_base_untouched(base_model):
+def test_engine_weights_of_a_lora_model_are_the_merged_weights_and_leave_the_base_untouched(
+    base_model,
+):
     peft_model = lora_policy(base_model, seed=0)
     layer = peft_model.base_model.model.model.layers[0].self_attn.q_proj
     base_weight = layer.base_layer.weight.detach().clone()
-    expected = base_weight + layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+    expected = (
+        base_weight
+        + layer.scaling["default"] * layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+    )
     probe = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         adapted_logits = peft_model(probe).logits
 
-    with rollout.engine_weights(peft_model) as weights:
+    with weight_push.engine_weights(peft_model) as weights:
         weights = list(weights)  # one pass, as the engine consumes them
         names = [name for name, _ in weights]
         pushed = dict(weights)["model.layers.0.self_attn.q_proj.weight"].clone()
@@ -199,7 +235,9 @@ def prompts(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     questions = ["What is 2 + 3?", "Compute 17 + 25.", "Add 9 and 8, then double it.", "x?"]
     encoded = [
-        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+        )
         for q in questions
     ]
     return [list(e["input_ids"] if hasattr(e, "keys") else e) for e in encoded]
@@ -207,12 +245,15 @@ def prompts(tiny_model_dir):
 
 def hf_engine(model_dir, model=None):
     """The reference: transformers generate, through ``model`` if given (else the saved weights)."""
-    return rollout.make_engine(model_dir, "hf", max_model_len=MAX_MODEL_LEN, dtype="float32", model=model)
+    return rollout.make_engine(
+        model_dir, "hf", max_model_len=MAX_MODEL_LEN, dtype="float32", model=model
+    )
 
 
 @torch.no_grad()
 def trainer_logprobs(model, prompt, completion, temperature, min_p):
-    """log pi(y_t) as the trainer computes them: a full-sequence forward through loss.py, float32."""
+    """log pi(y_t) as the trainer computes them: a full-sequence forward through loss.py, in
+    float32."""
     ids = torch.tensor([prompt + completion.token_ids])
     logits = model(ids).logits.float()
     aligned = logits[:, len(prompt) - 1 : -1]  # position t predicts completion token t
@@ -220,7 +261,9 @@ def trainer_logprobs(model, prompt, completion, temperature, min_p):
     return logps[0]
 
 
-def test_hf_engine_logprobs_are_those_of_the_temperature_and_min_p_distribution(tiny_model_dir, base_model, prompts):
+def test_hf_engine_logprobs_are_those_of_the_temperature_and_min_p_distribution(
+    tiny_model_dir, base_model, prompts
+):
     policy = perturbed(base_model, seed=1)
     engine = hf_engine(tiny_model_dir, policy)
     sampling = rollout.SamplingConfig(n=3, temperature=0.7, min_p=0.2, max_tokens=24, seed=5)
@@ -229,7 +272,9 @@ def test_hf_engine_logprobs_are_those_of_the_temperature_and_min_p_distribution(
     for prompt, group in zip(prompts, groups):
         for completion in group:
             reference = trainer_logprobs(policy, prompt, completion, 0.7, 0.2)
-            torch.testing.assert_close(torch.tensor(completion.logprobs), reference, rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                torch.tensor(completion.logprobs), reference, rtol=0, atol=1e-5
+            )
             # The mask is real: min_p = 0.2 removes most of the vocabulary, so without the replay
             # the log-probs would be far lower.
             unmasked = trainer_logprobs(policy, prompt, completion, 0.7, 0.0)
@@ -243,19 +288,25 @@ def test_hf_engine_logprobs_are_those_of_the_temperature_and_min_p_distribution(
 
 @pytest.fixture(scope="module")
 def vllm_engine(tiny_model_dir):
-    engine = rollout.make_engine(tiny_model_dir, "vllm", max_model_len=MAX_MODEL_LEN, dtype="float32")
+    engine = rollout.make_engine(
+        tiny_model_dir, "vllm", max_model_len=MAX_MODEL_LEN, dtype="float32"
+    )
     yield engine
     engine.close()  # vLLM's distributed state is global: release it for the next engine
 
 
 def greedy(engine, prompts, max_tokens=40):
-    groups = engine.generate(prompts, rollout.SamplingConfig(n=1, temperature=0.0, max_tokens=max_tokens))
+    groups = engine.generate(
+        prompts, rollout.SamplingConfig(n=1, temperature=0.0, max_tokens=max_tokens)
+    )
     return [group[0].token_ids for group in groups]
 
 
 @pytest.mark.slow
-def test_vllm_greedy_equals_hf_greedy_after_a_sync_of_perturbed_weights(tiny_model_dir, base_model, prompts,
-                                                                         vllm_engine):
+@pytest.mark.cpu_only("vLLM's and HF's greedy tokens agree exactly on CPU float32")
+def test_vllm_greedy_equals_hf_greedy_after_a_sync_of_perturbed_weights(
+    tiny_model_dir, base_model, prompts, vllm_engine
+):
     policy = perturbed(base_model, seed=2)
     expected = greedy(hf_engine(tiny_model_dir, policy), prompts)
     vllm_engine.sync_weights(base_model)
@@ -265,7 +316,10 @@ def test_vllm_greedy_equals_hf_greedy_after_a_sync_of_perturbed_weights(tiny_mod
 
 
 @pytest.mark.slow
-def test_vllm_greedy_equals_hf_greedy_through_a_lora_adapter(tiny_model_dir, base_model, prompts, vllm_engine):
+@pytest.mark.cpu_only("vLLM's and HF's greedy tokens agree exactly on CPU float32")
+def test_vllm_greedy_equals_hf_greedy_through_a_lora_adapter(
+    tiny_model_dir, base_model, prompts, vllm_engine
+):
     peft_model = lora_policy(base_model, seed=3)
     expected = greedy(hf_engine(tiny_model_dir, peft_model), prompts)
     with peft_model.disable_adapter():  # the adapter changes the completions
@@ -279,6 +333,7 @@ def test_vllm_greedy_equals_hf_greedy_through_a_lora_adapter(tiny_model_dir, bas
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_only("CPU float32 log-probs of vLLM and the trainer")
 def test_vllm_logprobs_match_the_trainers_within_1e_3(base_model, prompts, vllm_engine):
     policy = perturbed(base_model, seed=4)
     vllm_engine.sync_weights(policy)
@@ -293,14 +348,20 @@ def test_vllm_logprobs_match_the_trainers_within_1e_3(base_model, prompts, vllm_
 
 
 @pytest.mark.slow
-def test_vllm_top_k_top_p_logprobs_equal_the_hf_processors_on_the_trainers_logits(base_model, prompts, vllm_engine):
-    """The hf backend's processors (temperature, min-p, top-k, top-p, in that order) are vLLM's sampler."""
+@pytest.mark.cpu_only("CPU float32 log-probs of vLLM and HF")
+def test_vllm_top_k_top_p_logprobs_equal_the_hf_processors_on_the_trainers_logits(
+    base_model, prompts, vllm_engine
+):
+    """The hf backend's processors (temperature, min-p, top-k, top-p, in that order) are vLLM's
+    sampler."""
     from transformers import LogitsProcessorList
 
     policy = perturbed(base_model, seed=5)
     vllm_engine.sync_weights(policy)
-    sampling = rollout.SamplingConfig(n=4, temperature=0.8, min_p=0.02, top_k=20, top_p=0.9, max_tokens=24, seed=3)
-    processors = LogitsProcessorList(rollout.sampling_processors(sampling))
+    sampling = rollout.SamplingConfig(
+        n=4, temperature=0.8, min_p=0.02, top_k=20, top_p=0.9, max_tokens=24, seed=3
+    )
+    processors = LogitsProcessorList(hf_backend.sampling_processors(sampling))
     worst = 0.0
     for prompt, group in zip(prompts, vllm_engine.generate(prompts, sampling)):
         for completion in group:
@@ -308,7 +369,9 @@ def test_vllm_top_k_top_p_logprobs_equal_the_hf_processors_on_the_trainers_logit
             with torch.no_grad():
                 logits = policy(ids).logits[0, len(prompt) - 1 : -1].float()  # [T, V]
             scores = processors(ids, logits)  # each row transformed independently
-            reference = torch.log_softmax(scores, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
+            reference = (
+                torch.log_softmax(scores, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
+            )
             worst = max(worst, (torch.tensor(completion.logprobs) - reference).abs().max().item())
     assert worst <= 1e-3
 
@@ -334,21 +397,25 @@ def test_vllm_same_seed_same_samples_and_n_per_prompt(base_model, prompts, vllm_
 
 @pytest.mark.slow
 def test_generate_refuses_discarded_weights_until_they_are_pushed(base_model, prompts, vllm_engine):
-    """sleep(level=2) drops the weights on CUDA; an engine that generated from the garbage left in
-    their place would corrupt a run silently. (Here the flag is set by hand: CPU engines do not sleep.)"""
+    """sleep(level=2) drops the weights on CUDA; an engine that generated from the garbage left
+    in their place would corrupt a run silently. (Here the flag is set by hand: CPU engines do
+    not sleep.)"""
     vllm_engine._weights_discarded = True
     with pytest.raises(rollout.RolloutError, match="discarded by sleep.* call sync_weights"):
         vllm_engine.generate(prompts, rollout.SamplingConfig(n=1, max_tokens=2))
     vllm_engine.sync_weights(base_model)
-    assert len(vllm_engine.generate(prompts, rollout.SamplingConfig(n=1, max_tokens=2))) == len(prompts)
+    assert len(vllm_engine.generate(prompts, rollout.SamplingConfig(n=1, max_tokens=2))) == len(
+        prompts
+    )
 
 
 def test_the_engine_always_runs_in_process(monkeypatch):
-    """Weight sync hands tensors over by a function call: an engine core in another process would
-    never receive them, so a user's VLLM_ENABLE_V1_MULTIPROCESSING=1 is overridden, with a warning."""
+    """Weight sync hands tensors over by a function call: an engine core in another process
+    would never receive them, so a user's VLLM_ENABLE_V1_MULTIPROCESSING=1 is overridden, with a
+    warning."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     with pytest.warns(UserWarning, match="needs 0"):
-        rollout.force_in_process_engine()
+        engine_checks.force_in_process_engine()
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
@@ -362,7 +429,11 @@ def eos_at_step_policy(model, engine_tokenizer, prompt, reference_dir):
     """
     eos = engine_tokenizer.eos_token_id
     tokens = greedy(hf_engine(reference_dir, model), [prompt], max_tokens=40)[0]
-    k = next(i for i, t in enumerate(tokens) if i >= 3 and t not in prompt and t not in tokens[:i] and t != eos)
+    k = next(
+        i
+        for i, t in enumerate(tokens)
+        if i >= 3 and t not in prompt and t not in tokens[:i] and t != eos
+    )
     policy = copy.deepcopy(model)
     with torch.no_grad():
         rows = policy.get_input_embeddings().weight
@@ -371,24 +442,37 @@ def eos_at_step_policy(model, engine_tokenizer, prompt, reference_dir):
 
 
 @pytest.mark.slow
-def test_eos_ends_a_completion_and_the_length_limit_is_reported(tiny_model_dir, base_model, vllm_engine):
+def test_eos_ends_a_completion_and_the_length_limit_is_reported(
+    tiny_model_dir, base_model, vllm_engine
+):
     prompt = list(range(40, 60))  # plain byte tokens, no EOS among them
-    policy, head = eos_at_step_policy(perturbed(base_model, seed=6), vllm_engine.tokenizer, prompt, tiny_model_dir)
+    policy, head = eos_at_step_policy(
+        perturbed(base_model, seed=6), vllm_engine.tokenizer, prompt, tiny_model_dir
+    )
     eos = vllm_engine.tokenizer.eos_token_id
     vllm_engine.sync_weights(policy)
     greedy_sampling = rollout.SamplingConfig(n=1, temperature=0.0)
     for engine in (vllm_engine, hf_engine(tiny_model_dir, policy)):
-        stopped = engine.generate([prompt], dataclasses.replace(greedy_sampling, max_tokens=len(head) + 5))[0][0]
+        stopped = engine.generate(
+            [prompt], dataclasses.replace(greedy_sampling, max_tokens=len(head) + 5)
+        )[0][0]
         assert (stopped.token_ids, stopped.finish_reason) == (head + [eos], "stop")
         assert len(stopped.logprobs) == len(stopped.token_ids)
-        cut = engine.generate([prompt], dataclasses.replace(greedy_sampling, max_tokens=len(head) - 1))[0][0]
+        cut = engine.generate(
+            [prompt], dataclasses.replace(greedy_sampling, max_tokens=len(head) - 1)
+        )[0][0]
         assert (cut.token_ids, cut.finish_reason) == (head[:-1], "length")
         # The end of the context is a length limit too: 3 free positions, 3 tokens.
-        long_prompt = prompt * ((MAX_MODEL_LEN - 3) // len(prompt)) + prompt[: (MAX_MODEL_LEN - 3) % len(prompt)]
+        long_prompt = (
+            prompt * ((MAX_MODEL_LEN - 3) // len(prompt))
+            + prompt[: (MAX_MODEL_LEN - 3) % len(prompt)]
+        )
         edge = engine.generate([long_prompt], rollout.SamplingConfig(n=4, max_tokens=50, seed=1))[0]
         for c in edge:
             stopped_early = c.token_ids[-1] == eos and len(c.token_ids) <= 3
-            assert (len(c.token_ids), c.finish_reason) == (3, "length") or (stopped_early and c.finish_reason == "stop")
+            assert (len(c.token_ids), c.finish_reason) == (3, "length") or (
+                stopped_early and c.finish_reason == "stop"
+            )
 
 
 @pytest.mark.slow
@@ -397,5 +481,7 @@ def test_prompt_longer_than_the_context_is_a_one_line_error(tiny_model_dir, vllm
         too_long = f"has {MAX_MODEL_LEN} tokens but the context .* is {MAX_MODEL_LEN}"
         with pytest.raises(rollout.RolloutError, match=too_long):
             engine.generate([[5, 6], [7] * MAX_MODEL_LEN], rollout.SamplingConfig(n=2))
-        with pytest.raises(rollout.RolloutError, match="prompt 0 is a str, not a list of token ids"):
+        with pytest.raises(
+            rollout.RolloutError, match="prompt 0 is a str, not a list of token ids"
+        ):
             engine.generate(["What is 2 + 2?"], rollout.SamplingConfig(n=2))

@@ -6,14 +6,17 @@ import os
 import pytest
 import torch
 
-import models
-import runs
+from machinery import models, runs
 
 
 def test_checkpoint_write_is_atomic(tmp_path, tiny, monkeypatch):
     model, _ = tiny
     optimizer, scheduler = models.make_optimizer(model, 1e-3, 0.0, 10, 1)
-    state = {"step": 1, "sampler": {"epoch": 0, "position": 3}, "guide_generator": torch.Generator().get_state()}
+    state = {
+        "step": 1,
+        "sampler": {"epoch": 0, "position": 3},
+        "guide_generator": torch.Generator().get_state(),
+    }
     runs.save_checkpoint(str(tmp_path), model, optimizer, scheduler, state)
     with open(tmp_path / "checkpoint" / "trainer_state.json") as handle:
         assert json.load(handle)["step"] == 1

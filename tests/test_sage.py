@@ -1,55 +1,109 @@
 """sage.py's pieces: the config and its presets, rewards shaping, micro-batching, the k1_return path
-on a fake GPU, SFT."""
+on a fake GPU, the anchor's reference, and the SFT warm start (extras/sft.py)."""
 
 import dataclasses
+import functools
 import random
 
 import pytest
 import torch
 
-import cli
-import data
-import demo
 import guides
 import loss
 import sage
-import task
+from extras import demo, dynamic_sampling, sft
+from machinery import batches, cli, data, task
 
 
 def test_paper_defaults_for_model_runs():
     config = sage.parse_config(["--model", "some/model"])
     assert (config.steps, config.prompts_per_step, config.rollouts) == (1000, 8, 8)
-    assert (config.beta, config.lr, config.lora_rank, config.seed) == (0.05, 5e-6, 8, 3407)
+    assert (config.loss.beta, config.lr, config.lora_rank, config.seed) == (0.05, 5e-6, 8, 3407)
     assert (config.temperature, config.min_p, config.top_p, config.top_k) == (1.0, 0.01, 1.0, -1)
-    assert (config.advantage, config.loss_agg, config.kl, config.kl_estimator) == ("grpo", "grpo", "reverse", "k3")
-    assert config.max_train_samples == 2000 and config.guide == "none"
+    losses = config.loss
+    assert (losses.advantage, losses.aggregation, losses.kl, losses.kl_estimator) == (
+        "grpo",
+        "grpo",
+        "reverse",
+        "k3",
+    )
+    assert config.max_train_samples == 2000 and config.guide.name == "none"
+    assert (config.guide.tau, config.guide.ratio, config.guide.q_min, config.guide.q_max) == (
+        1.2,
+        0.3,
+        0.6,
+        1.4,
+    )
+    assert (
+        config.loss.max_completion_length == 2048 - 512
+    )  # dr_grpo's divisor: the completion budget
 
 
 @pytest.mark.parametrize(
     "algo, expected",
     [
-        ("grpo", dict(advantage="grpo", loss_agg="grpo", eps_high=0.2, kl="reverse", dynamic_sampling=False)),
-        ("dr_grpo", dict(advantage="dr_grpo", loss_agg="dr_grpo", eps_high=0.2, kl="reverse")),
-        ("bnpo", dict(advantage="bnpo", loss_agg="batch_token_mean", kl="none")),
-        ("dapo", dict(advantage="grpo", loss_agg="dapo", eps_high=0.28, kl="none", dynamic_sampling=True)),
+        (
+            "grpo",
+            dict(
+                advantage="grpo",
+                aggregation="grpo",
+                eps_high=0.2,
+                kl="reverse",
+                dynamic_sampling=False,
+            ),
+        ),
+        ("dr_grpo", dict(advantage="dr_grpo", aggregation="dr_grpo", eps_high=0.2, kl="reverse")),
+        ("bnpo", dict(advantage="bnpo", aggregation="batch_token_mean", kl="none")),
+        (
+            "dapo",
+            dict(
+                advantage="grpo",
+                aggregation="dapo",
+                eps_high=0.28,
+                kl="none",
+                dynamic_sampling=True,
+            ),
+        ),
     ],
 )
 def test_algo_presets(algo, expected):
     config = sage.parse_config(["--model", "m", "--algo", algo])
     for key, value in expected.items():
-        assert getattr(config, key) == value, key
+        owner = config.extras["dynamic_sampling"] if key == "dynamic_sampling" else config.loss
+        assert getattr(owner, key) == value, key
 
 
 def test_explicit_flags_beat_presets_and_a_guide_keeps_the_anchor():
-    config = sage.parse_config(["--model", "m", "--algo", "dapo", "--eps-high", "0.3", "--advantage", "rloo"])
-    assert config.eps_high == 0.3 and config.advantage == "rloo"
+    config = sage.parse_config(
+        ["--model", "m", "--algo", "dapo", "--eps-high", "0.3", "--advantage", "rloo"]
+    )
+    assert config.loss.eps_high == 0.3 and config.loss.advantage == "rloo"
     guided = sage.parse_config(["--model", "m", "--algo", "dapo", "--guide", "branch"])
-    assert guided.kl == "reverse"  # a guide acts only through the anchor
+    assert guided.loss.kl == "reverse"  # a guide acts only through the anchor
+    assert (
+        sage.parse_config(["--model", "m", "--algo", "dapo", "--no-dynamic-sampling"])
+        .extras["dynamic_sampling"]
+        .dynamic_sampling
+        is False
+    )
 
 
-def test_demo_sizes_apply_without_model():
-    config = sage.parse_config([])
-    assert config.model == "" and config.guide == "branch" and config.steps == demo.DEMO_SIZES["steps"]
+def test_a_config_built_in_code_is_the_grpo_default():
+    """Config() outside the CLI is complete: every default is a value, none a sentinel."""
+    config = sage.Config()
+    assert (
+        config.loss.advantage,
+        config.loss.aggregation,
+        config.loss.eps_high,
+        config.loss.kl,
+    ) == ("grpo", "grpo", 0.2, "reverse")
+    assert config.guide == guides.GuideConfig() and config.loss.max_completion_length == 1536
+
+
+def test_the_model_is_required_and_the_demo_is_named(capsys):
+    with pytest.raises(SystemExit):
+        sage.parse_config([])
+    assert "--model is required" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -58,8 +112,10 @@ def test_demo_sizes_apply_without_model():
         (["--guide", "entropy"], "unknown --guide"),
         (["--kl-estimator", "k4"], "unknown --kl-estimator"),
         (["--algo", "ppo"], "unknown --algo"),
-        (["--rollouts", "1"], "--rollouts must be >= 2"),
+        (["--rollouts", "1"], "--rollouts 1: must be a finite number >= 2"),
         (["--guide", "branch", "--beta", "0"], "acts only through the KL anchor"),
+        (["--q-min", "1.2"], "--q-min 1.2 and --q-max 1.4"),
+        (["--sft-only"], "--sft-only needs --sft-dataset"),
     ],
 )
 def test_bad_flags_give_one_line_errors(argv, message, capsys):
@@ -68,25 +124,47 @@ def test_bad_flags_give_one_line_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_every_field_has_a_docstring():
-    docs = cli.field_docs(sage.Config)
-    assert {f.name for f in dataclasses.fields(sage.Config)} == set(docs)
+def test_every_field_and_every_flag_has_a_docstring(capsys):
+    for cls in (
+        sage.Config,
+        loss.LossConfig,
+        guides.GuideConfig,
+        *map(cli.import_object, sage.EXTRAS.values()),
+    ):
+        docs = cli.field_docs(cls)
+        assert {f.name for f in dataclasses.fields(cls)} == set(docs), cls
+    with pytest.raises(SystemExit):
+        sage.parse_config(["--help"])
+    help_text = capsys.readouterr().out
+    for flag in (
+        "--model",
+        "--beta",
+        "--loss-agg",
+        "--guide",
+        "--tau",
+        "--sft-dataset",
+        "--dynamic-sampling",
+        "--self-hints",
+        "--eval-every",
+        "--eval-top-p",
+    ):
+        assert flag in help_text, flag
 
 
 def test_model_runs_default_to_settings_that_fit_one_gpu_and_help_says_so(capsys):
     config = sage.parse_config(["--model", "Qwen/Qwen2.5-Math-7B"])
-    assert config.gradient_checkpointing and config.micro_batch_size == 4 and config.sft_max_samples == 500
-    demo_config = sage.parse_config([])
-    assert not demo_config.gradient_checkpointing
-    assert demo_config.micro_batch_size == demo.DEMO_SIZES["micro_batch_size"]
+    assert config.gradient_checkpointing and config.micro_batch_size == 4
+    assert config.extras["sft"].sft_max_samples == 500
     with pytest.raises(SystemExit):
         sage.parse_config(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "gradient checkpointing on, micro-batch 4" in help_text
+    assert "gradient checkpointing on, 4 sequences per micro batch" in help_text
 
 
 def test_overlong_penalty_and_informative_groups():
-    penalty = sage.overlong_penalty(torch.tensor([10.0, 80.0, 90.0, 100.0, 130.0]), max_len=100, buffer=20)
+    penalty = dynamic_sampling.overlong_penalty(
+        torch.tensor([10.0, 80.0, 90.0, 100.0, 130.0]), max_len=100, buffer=20
+    )
     torch.testing.assert_close(penalty, torch.tensor([0.0, 0.0, -0.5, -1.0, -1.0]))
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
     assert sage.informative_groups(rewards, 2).tolist() == [False, True, False]
@@ -102,8 +180,15 @@ def _rollouts(num_groups, group_size, seed=0):
             completions.append([rng.randrange(5, 300) for _ in range(rng.randint(1, 6))])
     rewards = torch.tensor([float(rng.random() < 0.5) for _ in completions])
     count = len(completions)
-    rollouts = sage.Rollouts(prompts, completions, [""] * count, ["stop"] * count, [[0.0] * len(c) for c in completions],
-                             ["p"] * count, ["1"] * count)
+    rollouts = sage.Rollouts(
+        prompts,
+        completions,
+        [""] * count,
+        ["stop"] * count,
+        [[0.0] * len(c) for c in completions],
+        ["p"] * count,
+        ["1"] * count,
+    )
     return rollouts, rewards
 
 
@@ -129,18 +214,35 @@ def test_micro_batches_accumulate_the_full_batch_gradient(tiny, aggregation, gui
     _, tokenizer = tiny
     rollouts, rewards = _rollouts(num_groups=3, group_size=4)
     advantages = loss.compute_advantages(rewards, 4, "grpo")
-    reference = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=1).requires_grad_(False)
+    reference = demo.build_tiny_model(
+        tokenizer, max_position_embeddings=160, seed=1
+    ).requires_grad_(False)
     gradients = []
     for micro_batch_size in (12, 5):
-        config = sage.Config(model="m", rollouts=4, micro_batch_size=micro_batch_size, loss_agg=aggregation,
-                             advantage="grpo", kl="reverse", guide=guide, max_seq_len=32, min_p=0.0, steps=10,
-                             max_grad_norm=1e9)
+        # token guide: per-completion normalization, so micro-batch boundaries must not matter
+        config = sage.Config(
+            model="m",
+            rollouts=4,
+            micro_batch_size=micro_batch_size,
+            max_seq_len=32,
+            max_prompt_len=16,
+            loss=loss.LossConfig(aggregation=aggregation, kl="reverse"),
+            min_p=0.0,
+            steps=10,
+            guide=guides.GuideConfig(name=guide, tau=0.0, ratio=0.1, token_sigma=(0.0, 0.0)),
+            max_grad_norm=1e9,
+        )
         policy = demo.build_tiny_model(tokenizer, max_position_embeddings=160)
         recorder = GradientRecorder(policy.parameters())
-        # token guide: per-completion normalization, so micro-batch boundaries must not matter either
-        guide_config = guides.GuideConfig(name=guide, tau=0.0, ratio=0.1, token_sigma=(0.0, 0.0))
-        sage.update_policy(policy, reference, recorder, rollouts, rewards, advantages, config, guide_config,
-                           torch.Generator().manual_seed(0), 0, tokenizer.pad_token_id)
+        batches = sage.micro_batches(rollouts, config, tokenizer.pad_token_id, "cpu")
+        log_q_of = functools.partial(
+            sage.guide_log_q, config, step=0, generator=torch.Generator().manual_seed(0)
+        )
+        fixed = [
+            sage.held_fixed_logps(policy, reference, batch, config, log_q_of)
+            for _, batch in batches
+        ]
+        sage.update_policy(policy, recorder, batches, fixed, advantages, config, log_q_of)
         gradients.append(recorder.gradient)
     assert gradients[0].abs().max() > 0
     torch.testing.assert_close(gradients[1], gradients[0], atol=1e-6, rtol=1e-4)
@@ -153,44 +255,48 @@ def test_k1_return_shaping_keeps_every_tensor_on_the_log_probs_device():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0])  # the grader's, on the CPU
-    config = sage.Config(model="m", rollouts=3, advantage="rloo", kl="reverse", kl_estimator="k1_return", steps=10)
     for guide in guides.GUIDES:
-        guide_config = guides.GuideConfig(name=guide, tau=0.5)
+        config = sage.Config(
+            model="m",
+            rollouts=3,
+            steps=10,
+            guide=guides.GuideConfig(name=guide, tau=0.5),
+            loss=loss.LossConfig(advantage="rloo", kl="reverse", kl_estimator="k1_return"),
+        )
+        generator = torch.Generator().manual_seed(0)
         with FakeTensorMode(allow_non_fake_inputs=True):
             batches, fixed = [], []
-            for rows in (4, 2):
-                mask = torch.ones(rows, 5, device="cuda")
-                batches.append({"completion_mask": mask})
-                fixed.append({"old_logps": -torch.rand(rows, 5, device="cuda"),
-                              "entropies": torch.rand(rows, 5, device="cuda") * 2,
-                              "ref_logps": -torch.rand(rows, 5, device="cuda")})
-            advantages = sage.return_shaped_advantages(rewards, [[0, 1, 2, 3], [4, 5]], batches, fixed, config,
-                                                       guide_config, torch.Generator().manual_seed(0), step=0)
-            assert advantages.shape == (6,)
-            assert all(part["log_q"].device.type == "cuda" for part in fixed)
+            for rows in ([0, 1, 2, 3], [4, 5]):
+                mask = torch.ones(len(rows), 5, device="cuda")
+                old_logps, entropies = (
+                    -torch.rand(len(rows), 5, device="cuda"),
+                    torch.rand(len(rows), 5, device="cuda") * 2,
+                )
+                log_q = sage.guide_log_q(config, old_logps, entropies, mask, 0, generator)
+                batches.append((rows, {"completion_mask": mask}))
+                fixed.append(
+                    loss.HeldFixed(
+                        old_logps, -torch.rand(len(rows), 5, device="cuda"), log_q, entropies
+                    )
+                )
+            returns = sage.kl_shaped_returns(rewards, batches, fixed, config.loss.beta)
+            advantages = loss.compute_advantages(returns, config.rollouts, config.loss.advantage)
+            assert advantages.shape == (6,) and returns.device.type == "cpu"
+            assert all(held.log_q.device.type == "cuda" for held in fixed)
 
 
 def test_sft_lowers_the_loss(tiny):
     _, tokenizer = tiny
     model = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=3)
-    config = sage.Config(max_seq_len=160)
-    examples = [{"problem": "What is 1 + 2?", "completion": task.format_completion("1+2=3", "3")}] * 8
+    examples = [
+        {"problem": "What is 1 + 2?", "completion": task.format_completion("1+2=3", "3")}
+    ] * 8
     pairs, _ = data.tokenize_sft_examples(tokenizer, examples, max_tokens=160)
-    losses = sage.sft(model, pairs, tokenizer.pad_token_id, config, epochs=3, lr=3e-3, batch_size=4, warmup_steps=1,
-                      progress=False)
+    settings = sft.SFTConfig(sft_epochs=3, sft_lr=3e-3, sft_batch_size=4, sft_warmup_steps=1)
+    losses = sft.sft(
+        model, pairs, tokenizer.pad_token_id, settings, sage.Config(max_seq_len=160), progress=False
+    )
     assert losses[-1] < 0.5 * losses[0]
-
-
-def test_a_config_built_in_code_is_complete():
-    """Config() outside the CLI takes its preset's values: no sentinel reaches the loss (an
-    eps_high of -1 would clip the ratio to [0.8, 0.0] and drop every positive advantage)."""
-    config = sage.Config()
-    assert (config.advantage, config.loss_agg, config.eps_high, config.kl, config.dynamic_sampling) == (
-        "grpo", "grpo", 0.2, "reverse", False)
-    dapo = sage.Config(algo="dapo")
-    assert (dapo.eps_high, dapo.kl, dapo.dynamic_sampling, dapo.loss_agg) == (0.28, "none", True, "dapo")
-    assert sage.Config(algo="dapo", guide="branch").kl == "reverse"  # a guide keeps its anchor
-    assert sage.Config(algo="dapo", eps_high=0.3).eps_high == 0.3
 
 
 def test_plain_grpo_anchors_to_the_full_softmax_reference(tiny):
@@ -199,20 +305,31 @@ def test_plain_grpo_anchors_to_the_full_softmax_reference(tiny):
     the kept tokens: an implicit guide q = 1 / M_ref >= 1, M_ref the reference mass min-p keeps."""
     model, tokenizer = tiny
     prompt, completion = tokenizer("What is 3 + 4?")["input_ids"], tokenizer("3+4=7")["input_ids"]
-    batch = loss.collate([prompt, prompt[1:]], [completion, completion[:4]], tokenizer.pad_token_id, "cpu")
+    batch = batches.collate(
+        [prompt, prompt[1:]], [completion, completion[:4]], tokenizer.pad_token_id, "cpu"
+    )
+    batch["engine_logps"] = torch.zeros_like(batch["completion_mask"])
     config = sage.Config(model="m", temperature=0.8, min_p=0.3)
-    full = sage.held_fixed_logps(model, model, batch, config, need_old=False)["ref_logps"]
-    replayed = sage.held_fixed_logps(model, model, batch, dataclasses.replace(config, reference_min_p=True),
-                                     need_old=False)["ref_logps"]
+    full = sage.held_fixed_logps(model, model, batch, config, None).ref_logps
+    replay = dataclasses.replace(
+        config, loss=dataclasses.replace(config.loss, reference_min_p=True)
+    )
+    replayed = sage.held_fixed_logps(model, model, batch, replay, None).ref_logps
     with torch.no_grad():
         positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"], logits_to_keep=positions).logits
-    expected, _ = loss.plain_token_logps_and_entropies(logits, batch["completion_ids"], 0.8, 0.0)
+        logits = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            logits_to_keep=positions,
+        ).logits
+    expected, _ = loss.token_logps_and_entropies(logits, batch["completion_ids"], 0.8, 0.0)
     mask = batch["completion_mask"].bool()
     torch.testing.assert_close(full[mask], expected[mask], atol=1e-5, rtol=0)
     probs = (logits / 0.8).softmax(-1)
-    kept_mass = torch.where(probs >= 0.3 * probs.amax(-1, keepdim=True), probs, 0.0).sum(-1)  # M_ref [B, C]
+    kept_mass = torch.where(probs >= 0.3 * probs.amax(-1, keepdim=True), probs, 0.0).sum(
+        -1
+    )  # M_ref [B, C]
     implicit_log_q = (replayed - full)[mask]
     assert (implicit_log_q >= -1e-6).all() and implicit_log_q.max() > 1e-3
     # the sampled token may sit below the min-p threshold here (these tokens were not sampled): then
@@ -221,3 +338,34 @@ def test_plain_grpo_anchors_to_the_full_softmax_reference(tiny):
     below = own < 0.3 * probs.amax(-1)
     kept_mass = torch.where(below, kept_mass + own, kept_mass)
     torch.testing.assert_close(implicit_log_q, -kept_mass.log()[mask], atol=1e-5, rtol=0)
+
+
+def test_guide_entropy_reference_takes_q_from_the_reference_pass(tiny):
+    """--guide-entropy reference: q comes from pi_ref's entropies, computed by the reference pass
+    the anchor makes anyway, and is held for the update; by default (policy) the update's own
+    forward pass gives it."""
+    reference, tokenizer = tiny
+    policy = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=5)
+    prompt, completion = tokenizer("What is 3 + 4?")["input_ids"], tokenizer("3+4=7")["input_ids"]
+    batch = batches.collate([prompt, prompt], [completion, completion[:3]], 0, "cpu")
+    batch["engine_logps"] = torch.zeros_like(batch["completion_mask"])
+    seen = []
+
+    def log_q_of(logps, entropies, mask):
+        seen.append(entropies)
+        return torch.zeros_like(logps)
+
+    for entropy, expected_calls in (("reference", 1), ("policy", 0)):
+        seen.clear()
+        guide = guides.GuideConfig(name="branch", tau=0.1, entropy=entropy)
+        config = sage.Config(model="m", guide=guide, min_p=0.0)
+        held = sage.held_fixed_logps(policy, reference, batch, config, log_q_of)
+        assert len(seen) == expected_calls and (held.log_q is not None) == (entropy == "reference")
+    _, reference_entropies = loss.completion_logps(reference, batch, 1.0, 0.0)
+    _, policy_entropies = loss.completion_logps(policy, batch, 1.0, 0.0)
+    seen.clear()
+    config = sage.Config(model="m", guide=guides.GuideConfig(name="branch", entropy="reference"))
+    sage.held_fixed_logps(
+        policy, reference, batch, dataclasses.replace(config, min_p=0.0), log_q_of
+    )
+    assert torch.equal(seen[0], reference_entropies) and not torch.equal(seen[0], policy_entropies)

@@ -1,4 +1,6 @@
-"""sage.py as a user runs it: the CLI as a subprocess on the embedded tiny model, vLLM on CPU.
+"""sage.py as a user runs it: the CLI as a subprocess, through the CPU demo (extras/demo.py,
+which builds its tiny model and task and then calls sage.py's main with every flag it is given)
+and directly, vLLM on CPU.
 
 Sizes are cut to the bone (2 steps, 2 prompts x 2 rollouts, a 2-step SFT) so each run costs
 mostly the engine's start-up; the code path is the demo's and the paper's.
@@ -12,18 +14,71 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = [
-    "--steps", "2", "--prompts-per-step", "2", "--rollouts", "2", "--micro-batch-size", "4",
-    "--demo-sft-examples", "16", "--sft-batch-size", "8", "--demo-eval-problems", "2", "--eval-n", "2",
-    "--max-seq-len", "144", "--max-prompt-len", "100", "--save-every", "1",
+TINY_DEMO = [
+    "--demo-sft-examples",
+    "16",
+    "--sft-batch-size",
+    "8",
+    "--demo-eval-problems",
+    "2",
+]  # the demo's knobs
+TINY_SAGE = [  # sage.py's
+    "--steps",
+    "2",
+    "--prompts-per-step",
+    "2",
+    "--rollouts",
+    "2",
+    "--micro-batch-size",
+    "4",
+    "--eval-n",
+    "2",
+    "--max-seq-len",
+    "144",
+    "--max-prompt-len",
+    "100",
+    "--save-every",
+    "1",
 ]
+TINY = [*TINY_DEMO, *TINY_SAGE]
+
+
+def run_demo(args, out, timeout=900, **env_overrides):
+    """``python -m extras.demo --out OUT ARGS``: the tiny model's SFT start, then sage.py's main."""
+    return run(
+        [sys.executable, "-m", "extras.demo", "--out", str(out), *args], timeout, env_overrides
+    )
 
 
 def run_sage(args, out, timeout=900, **env_overrides):
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-           **env_overrides}
-    return subprocess.run([sys.executable, os.path.join(REPO, "sage.py"), "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    """``python sage.py --out OUT ARGS``."""
+    return run(
+        [sys.executable, os.path.join(REPO, "sage.py"), "--out", str(out), *args],
+        timeout,
+        env_overrides,
+    )
+
+
+def run(command, timeout, env_overrides):
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        **env_overrides,
+    }
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
+    )
+
+
+def demo_files(run_dir):
+    """The files a demo run trains on, as extras.demo.prepare writes them."""
+    return {
+        "model": str(run_dir / "sft_model"),
+        "train": str(run_dir / "train.jsonl"),
+        "held_out": str(run_dir / "demo.jsonl"),
+    }
 
 
 def read_metrics(run_dir):
@@ -33,64 +88,125 @@ def read_metrics(run_dir):
 
 # Each guide and each --algo preset at least once, on the vLLM backend.
 @pytest.mark.slow
-@pytest.mark.parametrize("algo, guide", [("grpo", "none"), ("dapo", "random"), ("bnpo", "token"), ("dr_grpo", "branch")])
+@pytest.mark.parametrize(
+    "algo, guide", [("grpo", "none"), ("dapo", "random"), ("bnpo", "token"), ("dr_grpo", "branch")]
+)
 def test_two_step_cli_run(tmp_path, algo, guide):
-    # One run with the multiprocessing engine asked for: the trainer must keep its engine in-process.
+    # One run asks for the multiprocessing engine: the trainer must keep its engine in-process.
     multiprocessing = "1" if algo == "grpo" else "0"
     # DAPO trains only on groups whose rewards differ: overlong shaping makes rewards depend on the
     # length, so the tiny run's groups carry signal and every step updates.
-    shaping = ["--overlong-buffer", "60"] if algo == "dapo" else []
+    shaping = ["--overlong-buffer", "40"] if algo == "dapo" else []
     # One run reports to TensorBoard and W&B (offline: no network) besides metrics.jsonl.
     trackers = ["--report-to", "tensorboard,wandb"] if algo == "dr_grpo" else []
-    result = run_sage([*TINY, *shaping, *trackers, "--algo", algo, "--guide", guide, "--name", "run"], tmp_path,
-                      VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing, WANDB_MODE="offline", WANDB_SILENT="true")
+    result = run_demo(
+        [*TINY, *shaping, *trackers, "--algo", algo, "--guide", guide, "--name", "run"],
+        tmp_path,
+        VLLM_ENABLE_V1_MULTIPROCESSING=multiprocessing,
+        WANDB_MODE="offline",
+        WANDB_SILENT="true",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "run"
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1]
     for record in metrics:
-        for key in ("reward", "accuracy", "frac_zero_signal_groups", "response_length", "time/rollout_s", "time/reward_s",
-                    "time/reference_s", "time/update_s", "time/sync_s", "time/step_s", "time/other_s"):
+        for key in (
+            "reward",
+            "accuracy",
+            "frac_zero_signal_groups",
+            "response_length",
+            "time/rollout_s",
+            "time/reward_s",
+            "time/reference_s",
+            "time/update_s",
+            "time/sync_s",
+            "time/step_s",
+            "time/other_s",
+        ):
             assert key in record
         assert "loss" in record and "grad_norm" in record and "entropy" in record
         if guide != "none":
-            assert "q/mean" in record and record["q/min"] >= 0.6 - 1e-6 and record["q/max"] <= 1.4 + 1e-6
+            assert (
+                "q/mean" in record
+                and record["q/min"] >= 0.6 - 1e-6
+                and record["q/max"] <= 1.4 + 1e-6
+            )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert set(summary["before"]) == set(summary["after"]) == {"pass@1", "pass@2"}
-    assert (run_dir / "passk.png").stat().st_size > 0 and (run_dir / "curves.png").stat().st_size > 0
+    assert (run_dir / "passk.png").stat().st_size > 0 and (
+        run_dir / "curves.png"
+    ).stat().st_size > 0
     evaluations = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in evaluations] == [0, 2] and all("pass@1" in row for row in evaluations)
+    assert [row["step"] for row in evaluations] == [0, 2] and all(
+        "pass@1" in row for row in evaluations
+    )
     if trackers:
         assert os.listdir(run_dir / "tensorboard") and any(
-            name.startswith("offline-run-") for name in os.listdir(run_dir / "wandb"))
+            name.startswith("offline-run-") for name in os.listdir(run_dir / "wandb")
+        )
     assert json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())["step"] == 2
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_only("a resumed run repeats the CPU's float32 arithmetic exactly")
 def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
     # Self-hints on (the tiny model writes poor hints, which are used all the same): resuming
     # mid-run must reproduce their rounds too.
-    common = [*TINY, "--steps", "4", "--backend", "hf", "--guide", "token", "--eval-every", "2", "--self-hints",
-              "--max-seq-len", "448", "--max-prompt-len", "384"]  # room for a hint request (~340 tokens)
-    whole = run_sage([*common, "--name", "whole"], tmp_path)
+    common = [
+        *TINY,
+        "--steps",
+        "4",
+        "--backend",
+        "hf",
+        "--guide",
+        "token",
+        "--eval-every",
+        "2",
+        "--self-hints",
+        "--max-seq-len",
+        "448",
+        "--max-prompt-len",
+        "384",
+    ]  # room for a hint request (~340 tokens)
+    whole = run_demo([*common, "--name", "whole"], tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    first = run_sage([*common, "--name", "split", "--stop-after", "2"], tmp_path)
+    first = run_demo([*common, "--name", "split", "--stop-after", "2"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "continue with --resume" in first.stderr + first.stdout
-    rerun = run_sage([*common, "--name", "split"], tmp_path)  # without --resume: never overwrite a checkpoint
-    assert rerun.returncode != 0 and "already holds a checkpoint" in rerun.stderr.strip().splitlines()[-1]
-    second = run_sage([*common, "--name", "split", "--resume"], tmp_path)
+    # sage.py itself never overwrites a checkpoint without --resume (the demo replaces its own runs)
+    from extras import demo
+
+    sage_argv = [
+        *demo.sage_flags(demo_files(tmp_path / "split")),
+        *common[len(TINY_DEMO) :],
+        "--name",
+        "split",
+    ]
+    rerun = run_sage(sage_argv, tmp_path)
+    assert (
+        rerun.returncode != 0
+        and "already holds a checkpoint" in rerun.stderr.strip().splitlines()[-1]
+    )
+    second = run_demo([*common, "--name", "split", "--resume"], tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
 
     def comparable(records):
         return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
 
     def evaluations(run):
-        return [json.loads(line) for line in (tmp_path / run / "eval.jsonl").read_text().splitlines()]
+        return [
+            json.loads(line) for line in (tmp_path / run / "eval.jsonl").read_text().splitlines()
+        ]
 
     assert [row["step"] for row in evaluations("split")] == [0, 2, 4]
-    assert evaluations("split") == evaluations("whole")  # pass@k of the same policies, resumed or not
-    expected, resumed = comparable(read_metrics(tmp_path / "whole")), comparable(read_metrics(tmp_path / "split"))
+    assert evaluations("split") == evaluations(
+        "whole"
+    )  # pass@k of the same policies, resumed or not
+    expected, resumed = (
+        comparable(read_metrics(tmp_path / "whole")),
+        comparable(read_metrics(tmp_path / "split")),
+    )
     assert all("hints/prompt_usage_rate" in r and "hints/groups_hinted" in r for r in resumed)
     assert sum(r["hints/groups_hinted"] for r in resumed) > 0  # hints were written and resampled
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
@@ -98,15 +214,21 @@ def test_interrupted_and_resumed_run_matches_an_uninterrupted_one(tmp_path):
     for a, b in zip(expected, resumed):
         assert a.keys() == b.keys()
         for key in a:
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6, nan_ok=True), (a["step"], key)
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6, nan_ok=True), (
+                a["step"],
+                key,
+            )
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--model", "/no/such/model"], "cannot load"),
-        (["--model", "x", "--dataset", "/no/such/file.jsonl"], "cannot load dataset"),
-        (["--guide", "nope"], "unknown --guide"),
+        (["--model", "/no/such/model"], "--model /no/such/model: no such file or directory"),
+        (
+            ["--model", "x", "--dataset", "/no/such/file.jsonl"],
+            "--dataset /no/such/file.jsonl: no such file",
+        ),
+        (["--model", "x", "--guide", "nope"], "unknown --guide"),
     ],
 )
 def test_bad_input_gives_one_clear_line(tmp_path, args, message):
@@ -117,31 +239,69 @@ def test_bad_input_gives_one_clear_line(tmp_path, args, message):
 
 
 def test_resume_without_checkpoint_and_rerun_over_checkpoint_are_errors(tmp_path):
-    result = run_sage([*TINY, "--resume", "--name", "fresh"], tmp_path, timeout=300)
+    result = run_demo([*TINY, "--resume", "--name", "fresh"], tmp_path, timeout=300)
     assert result.returncode != 0 and "no checkpoint" in result.stderr.strip().splitlines()[-1]
 
 
 def test_full_finetune_of_a_7b_model_is_refused_before_loading_anything(tmp_path):
-    """A 7B model's weights, gradients, AdamW states, reference and engine copy exceed one GPU (and
-    this machine): one line naming what fits, from the config alone (the directory has no weights)."""
+    """A 7B model's weights, gradients, AdamW states, reference and engine copy exceed one GPU
+    (and this machine): one line naming what fits, from the config alone (the directory has no
+    weights)."""
     from transformers import Qwen2Config
 
-    Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False).save_pretrained(tmp_path / "7b")
-    result = run_sage(["--model", str(tmp_path / "7b"), "--full-finetune", "--name", "full"], tmp_path, timeout=300)
+    Qwen2Config(
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ).save_pretrained(tmp_path / "7b")
+    result = run_sage(
+        ["--model", str(tmp_path / "7b"), "--full-finetune", "--name", "full"],
+        tmp_path,
+        timeout=300,
+    )
     assert result.returncode != 0 and "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert "--full-finetune of a 7.6B-parameter model needs about" in last and "drop --full-finetune" in last
+    assert (
+        "--full-finetune of a 7.6B-parameter model needs about" in last
+        and "drop --full-finetune" in last
+    )
 
 
 def test_sft_only_writes_the_sft_model_and_its_stats(tmp_path, tiny_model_dir):
     """Table 1's recipe runs SFT once (--sft-only) and starts every RL row from its model."""
-    rows = [{"problem": f"What is {a} + 2?", "generated_solution": f"<think>{a}+2={a + 2}</think>",
-             "expected_answer": str(a + 2)} for a in range(6)]
+    rows = [
+        {
+            "problem": f"What is {a} + 2?",
+            "generated_solution": f"<think>{a}+2={a + 2}</think>",
+            "expected_answer": str(a + 2),
+        }
+        for a in range(6)
+    ]
     rows.append({"problem": "Long", "generated_solution": "1+1=2 " * 300, "expected_answer": "2"})
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    result = run_sage(["--model", tiny_model_dir, "--sft-dataset", str(tmp_path / "sft.jsonl"), "--sft-only",
-                       "--sft-epochs", "1", "--max-seq-len", "256", "--max-prompt-len", "128", "--name", "sft"], tmp_path, timeout=300)
+    result = run_sage(
+        [
+            "--model",
+            tiny_model_dir,
+            "--sft-dataset",
+            str(tmp_path / "sft.jsonl"),
+            "--sft-only",
+            "--sft-epochs",
+            "1",
+            "--max-seq-len",
+            "256",
+            "--max-prompt-len",
+            "128",
+            "--name",
+            "sft",
+        ],
+        tmp_path,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     stats = json.loads((tmp_path / "sft" / "sft_stats.json").read_text())
     assert stats["kept"] == 6 and stats["dropped_too_long"] == 1 and stats["max_tokens"] == 128
@@ -159,12 +319,48 @@ def test_a_plug_in_reward_is_the_one_trained_on(tmp_path):
         "        handle.write(json.dumps([len(completions), problems[0], answers[0]]) + '\\n')\n"
         "    return [0.25] * len(completions)\n"
     )
-    result = run_sage([*TINY, "--steps", "1", "--backend", "hf", "--name", "plug",
-                       "--reward", f"{tmp_path / 'my_reward.py'}:quarter"], tmp_path, timeout=600)
+    result = run_demo(
+        [
+            *TINY,
+            "--steps",
+            "1",
+            "--backend",
+            "hf",
+            "--name",
+            "plug",
+            "--reward",
+            f"{tmp_path / 'my_reward.py'}:quarter",
+        ],
+        tmp_path,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    calls = [json.loads(line) for line in (tmp_path / "my_reward.py.calls").read_text().splitlines()]
-    assert calls and calls[0][0] == 4 and calls[0][1].startswith(("What", "Compute", "Add")) and calls[0][2].isdigit()
+    calls = [
+        json.loads(line) for line in (tmp_path / "my_reward.py.calls").read_text().splitlines()
+    ]
+    assert (
+        calls
+        and calls[0][0] == 4
+        and calls[0][1].startswith(("What", "Compute", "Add"))
+        and calls[0][2].isdigit()
+    )
     assert read_metrics(tmp_path / "plug")[0]["reward"] == 0.25
-    bad = run_sage([*TINY, "--steps", "1", "--backend", "hf", "--name", "bad-reward",
-                    "--reward", "no_such_module_xyz:f"], tmp_path, timeout=600)
-    assert bad.returncode != 0 and "cannot import 'no_such_module_xyz'" in bad.stderr.strip().splitlines()[-1]
+    bad = run_demo(
+        [
+            *TINY,
+            "--steps",
+            "1",
+            "--backend",
+            "hf",
+            "--name",
+            "bad-reward",
+            "--reward",
+            "no_such_module_xyz:f",
+        ],
+        tmp_path,
+        timeout=600,
+    )
+    assert (
+        bad.returncode != 0
+        and "cannot import 'no_such_module_xyz'" in bad.stderr.strip().splitlines()[-1]
+    )

@@ -5,8 +5,7 @@ import time
 
 import pytest
 
-import task
-
+from machinery import task
 
 FORMAT = "<start_working_out> working <end_working_out><SOLUTION> {} </SOLUTION>"
 
@@ -50,14 +49,21 @@ def test_extract_solution_takes_the_last_block():
 
 def test_knights_and_knaves_grader_matches_every_role():
     reference = "(1) Zoey is a knave\n(2) Oliver is a knight"
-    assert task.grade("<SOLUTION> (1) Zoey is a knave (2) Oliver is a knight </SOLUTION>", reference,
-                          "knights_knaves")
-    assert not task.grade("<SOLUTION> Zoey is a knight, Oliver is a knight </SOLUTION>", reference,
-                              "knights_knaves")
+    assert task.grade(
+        "<SOLUTION> (1) Zoey is a knave (2) Oliver is a knight </SOLUTION>",
+        reference,
+        "knights_knaves",
+    )
+    assert not task.grade(
+        "<SOLUTION> Zoey is a knight, Oliver is a knight </SOLUTION>", reference, "knights_knaves"
+    )
     assert not task.grade("<SOLUTION> Zoey is a knave </SOLUTION>", reference, "knights_knaves")
     # without a block, the last role stated for each person counts
-    assert task.grade("Suppose Zoey is a knight ... no. Zoey is a knave and Oliver is a knight.", reference,
-                          "knights_knaves")
+    assert task.grade(
+        "Suppose Zoey is a knight ... no. Zoey is a knave and Oliver is a knight.",
+        reference,
+        "knights_knaves",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +102,12 @@ def test_an_answer_that_hangs_the_parser_times_out_is_graded_wrong_and_counted()
         elapsed = time.monotonic() - started
         assert results == [True, False, False, True]
         assert short.stats["timeouts"] == 1 and short.last_timeouts == [1]
-        assert elapsed < 3.0 + 30.0  # the timeout plus a replacement worker's start, even under load
-        assert task.grade_batch(completions[:1], ["4"], pool=short) == [True]  # and the pool still works
+        assert (
+            elapsed < 3.0 + 30.0
+        )  # the timeout plus a replacement worker's start, even under load
+        assert task.grade_batch(completions[:1], ["4"], pool=short) == [
+            True
+        ]  # and the pool still works
 
 
 # ---- plug-in rewards (--reward) ----
@@ -110,20 +120,31 @@ def write_module(tmp_path, source):
 
 
 def test_a_plug_in_reward_is_loaded_from_a_file_and_called_with_the_batch(tmp_path):
-    path = write_module(tmp_path, "def length(completions, problems, answers):\n"
-                                  "    return [len(c) + len(p) + len(a) for c, p, a in zip(completions, problems, answers)]\n")
+    path = write_module(
+        tmp_path,
+        "def length(completions, problems, answers):\n"
+        "    return [len(c) + len(p) + len(a) "
+        "for c, p, a in zip(completions, problems, answers)]\n",
+    )
     reward = task.load_reward_function(f"{path}:length")
     assert reward(["ab", "c"], ["p", "pp"], ["1", "22"]) == [4.0, 5.0]
     assert task.load_reward_function("") is task.math_reward
 
 
-@pytest.mark.parametrize("source, spec, message", [
-    ("", "no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
-    ("raise RuntimeError('boom')\n", "FILE:f", "cannot import .*RuntimeError: boom"),
-    ("def f(a, b, c): return []\n", "FILE:g", "has no function 'g'"),
-    ("def f(completions): return []\n", "FILE:f", r"a reward takes \(completions, problems, answers\)"),
-    ("def f(a, b, c): return [1.0]\n", "FILE", "write module:function"),
-])
+@pytest.mark.parametrize(
+    "source, spec, message",
+    [
+        ("", "no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
+        ("raise RuntimeError('boom')\n", "FILE:f", "cannot import .*RuntimeError: boom"),
+        ("def f(a, b, c): return []\n", "FILE:g", "has no function 'g'"),
+        (
+            "def f(completions): return []\n",
+            "FILE:f",
+            r"a reward takes \(completions, problems, answers\)",
+        ),
+        ("def f(a, b, c): return [1.0]\n", "FILE", "write module:function"),
+    ],
+)
 def test_a_bad_plug_in_reward_is_one_line_naming_the_fix(tmp_path, source, spec, message):
     path = write_module(tmp_path, source)
     with pytest.raises(task.RewardError, match=message) as error:
@@ -131,11 +152,14 @@ def test_a_bad_plug_in_reward_is_one_line_naming_the_fix(tmp_path, source, spec,
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("body, message", [
-    ("return [1.0]", "returned 1 values for 2 completions"),
-    ("return [1.0, float('nan')]", "returned nan for completion 1: rewards must be finite"),
-    ("return 'ab'", "returned str ab; it must return one float per completion"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("return [1.0]", "returned 1 values for 2 completions"),
+        ("return [1.0, float('nan')]", "returned nan for completion 1: rewards must be finite"),
+        ("return 'ab'", "returned str ab; it must return one float per completion"),
+    ],
+)
 def test_a_plug_in_reward_that_returns_the_wrong_thing_is_stopped(tmp_path, body, message):
     path = write_module(tmp_path, f"def f(completions, problems, answers):\n    {body}\n")
     reward = task.load_reward_function(f"{path}:f")

@@ -19,20 +19,41 @@ REPO = Path(__file__).resolve().parents[1]
 
 # The sections a-e of toy/__init__.py, by the row names that prove each item.
 REQUIRED_ROWS = {
-    "a": ["eq2_reverse_kl_optimum_simplex", "eq4_sage_optimum_simplex", "eq4_sage_optimum_token_tree"],
-    "b": ["eq21_entropy_bonus_optimum_simplex", "eq27_forward_kl_optimum_simplex",
-          "eq28_29_sage_is_reweighted_forward_kl", "eq31_sage_less_off_target_mass_than_forward_kl"],
-    "c": ["thm4.3_y2_outside_supp_delta_pi_rl", "thm4.3_condition_holds_for_branch_guide",
-          "thm4.3_branch_guide_support_expansion"],
-    "d": ["k2_in_loss_reaches_eq4_one_token", "k1_return_reaches_eq4_one_token",
-          "k3_in_loss_reaches_forward_kl_fixed_point", "k1_return_reaches_eq4_two_token_tree",
-          "k2_in_loss_misses_eq4_two_token_tree", "k2_in_loss_position_constant_q_cancels",
-          "k1_return_fixed_branch_guide_lifts_y2_into_supp_delta", "k3_fixed_branch_guide_lowers_y2",
-          "per_token_penalties_put_y2_in_supp_delta_without_a_guide", "table_gradient_norms_at_reported_points",
-          "self_consistent_branch_guide_is_inactive_at_every_fixed_point", "table_points_are_stationary_at_every_node",
-          "newton_on_policy_loss_finds_the_backward_induction_points", "table_points_attract_gradient_descent",
-          "self_consistent_branch_guide_is_unique", "group_advantages_move_the_table_to_beta_over_delta",
-          "group_advantages_k3_and_forward_fixed_branch_guide_lowers_y2"],
+    "a": [
+        "eq2_reverse_kl_optimum_simplex",
+        "eq4_sage_optimum_simplex",
+        "eq4_sage_optimum_token_tree",
+    ],
+    "b": [
+        "eq21_entropy_bonus_optimum_simplex",
+        "eq27_forward_kl_optimum_simplex",
+        "eq28_29_sage_is_reweighted_forward_kl",
+        "eq31_sage_less_off_target_mass_than_forward_kl",
+    ],
+    "c": [
+        "thm4.3_y2_outside_supp_delta_pi_rl",
+        "thm4.3_condition_holds_for_branch_guide",
+        "thm4.3_branch_guide_support_expansion",
+    ],
+    "d": [
+        "k2_in_loss_reaches_eq4_one_token",
+        "k1_return_reaches_eq4_one_token",
+        "k3_in_loss_reaches_forward_kl_fixed_point",
+        "k1_return_reaches_eq4_two_token_tree",
+        "k2_in_loss_misses_eq4_two_token_tree",
+        "k2_in_loss_position_constant_q_cancels",
+        "k1_return_fixed_branch_guide_lifts_y2_into_supp_delta",
+        "k3_fixed_branch_guide_lowers_y2",
+        "per_token_penalties_put_y2_in_supp_delta_without_a_guide",
+        "table_gradient_norms_at_reported_points",
+        "self_consistent_branch_guide_is_inactive_at_every_fixed_point",
+        "table_points_are_stationary_at_every_node",
+        "newton_on_policy_loss_finds_the_backward_induction_points",
+        "table_points_attract_gradient_descent",
+        "self_consistent_branch_guide_is_unique",
+        "group_advantages_move_the_table_to_beta_over_delta",
+        "group_advantages_k3_and_forward_fixed_branch_guide_lowers_y2",
+    ],
     "e": ["k3_expectation_equals_kl_plus_offset", "bnpo_alpha_beta_3_2_proportional_to_grpo_std"],
 }
 
@@ -63,8 +84,17 @@ def test_cli_exit_code_follows_failures(capsys):
 
     assert main(["--json"], checks=[failing_check]) == 1
     rows = json.loads(capsys.readouterr().out)
-    assert rows == [{"name": "always_fails", "section": "a", "quantity": "1 vs 0", "max_abs_error": 1.0,
-                     "tolerance": 0.5, "relation": "<=", "passed": False}]
+    assert rows == [
+        {
+            "name": "always_fails",
+            "section": "a",
+            "quantity": "1 vs 0",
+            "max_abs_error": 1.0,
+            "tolerance": 0.5,
+            "relation": "<=",
+            "passed": False,
+        }
+    ]
     assert main([], checks=[failing_check]) == 1
     assert "FAIL" in capsys.readouterr().out
 
@@ -72,7 +102,11 @@ def test_cli_exit_code_follows_failures(capsys):
 @pytest.mark.slow
 def test_cli_json_passes_and_covers_a_to_e():
     proc = subprocess.run(
-        [sys.executable, "-m", "toy", "--json"], cwd=REPO, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "toy", "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     rows = json.loads(proc.stdout)
     failed = [r["name"] for r in rows if not r["passed"]]
@@ -105,7 +139,8 @@ def test_the_estimator_table_orderings():
 
     pi = {row.estimator: row.pi_y2 for row in table.estimator_table()}
     delta = table.DELTA
-    # k1 in the return: Theorem 4.3 with q fixed at pi_ref's entropies; no lift once q is the policy's own.
+    # k1 in the return: Theorem 4.3 with q fixed at pi_ref's entropies; no lift once q is the
+    # policy's own.
     assert pi["k1_return"]["none"] < delta < pi["k1_return"]["fixed"]
     assert pi["k1_return"]["self"] == pytest.approx(pi["k1_return"]["none"], abs=1e-12)
     # k2 and ratio_k3: the branch guide changes nothing, and y2 sits at pi_ref's 0.1 of the branch.
@@ -113,16 +148,19 @@ def test_the_estimator_table_orderings():
         assert pi[name]["fixed"] == pytest.approx(pi[name]["none"], abs=1e-12)
         assert pi[name]["self"] == pytest.approx(pi[name]["none"], abs=1e-12)
         assert pi[name]["none"] == pytest.approx(0.1, abs=1e-6)
-    # k3 (the paper's) and the forward baseline: the fixed guide lowers y2; the self-consistent one is inactive.
+    # k3 (the paper's) and the forward baseline: the fixed guide lowers y2; the self-consistent one
+    # is inactive.
     for name in ("k3", "forward"):
         assert pi[name]["fixed"] < pi[name]["none"] - 1e-3
         assert pi[name]["self"] == pytest.approx(pi[name]["none"], abs=1e-12)
-    # Every per-token penalty: y2 above delta with no guide at all; ordered k2 = ratio_k3 > k3 > forward.
+    # Every per-token penalty: y2 above delta with no guide at all; ordered
+    # k2 = ratio_k3 > k3 > forward.
     assert delta < pi["forward"]["none"] < pi["k3"]["none"] < pi["k2"]["none"]
 
 
 def test_the_orderings_survive_a_groups_advantage():
-    """Dr. GRPO's group mean and GRPO's std (G = 8) move the per-token points (beta / Delta_G), not the orderings."""
+    """Dr. GRPO's group mean and GRPO's std (G = 8) move the per-token points (beta / Delta_G),
+    not the orderings."""
     from toy import table
 
     for advantage, rows in table.advantage_table().items():
@@ -131,7 +169,10 @@ def test_the_orderings_survive_a_groups_advantage():
             assert all(beta == pytest.approx(table.BETA * 8 / 7, rel=1e-12) for beta in betas)
         else:  # GRPO's std: Delta_8(p) ~ 2.47 at these success rates near 1
             assert all(0.020 < beta < 0.021 for beta in betas)
-        pi = {estimator: {guide: pi_y2 for guide, (_, pi_y2) in row.items()} for estimator, row in rows.items()}
+        pi = {
+            estimator: {guide: pi_y2 for guide, (_, pi_y2) in row.items()}
+            for estimator, row in rows.items()
+        }
         for name in ("k2", "ratio_k3"):
             assert pi[name]["fixed"] == pytest.approx(pi[name]["none"], abs=1e-12)
         for name in ("k3", "forward"):

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-import trackers
+from machinery import trackers
 
 
 def test_report_to_names_are_checked():
@@ -17,7 +17,10 @@ def test_report_to_names_are_checked():
 def test_every_tracker_gets_the_same_keys(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    records = [{"step": step, "reward": 0.5 + step / 10, "kl/ref_k3": 0.01 * step, "q/mean": 1.1} for step in range(3)]
+    records = [
+        {"step": step, "reward": 0.5 + step / 10, "kl/ref_k3": 0.01 * step, "q/mean": 1.1}
+        for step in range(3)
+    ]
     run = trackers.Trackers("jsonl,tensorboard,wandb", str(tmp_path), "test-run", {"lr": 1e-3})
     for record in records:
         run.log(record, record["step"])
@@ -38,7 +41,9 @@ def test_every_tracker_gets_the_same_keys(tmp_path, monkeypatch):
     # holds every key; `wandb sync` would upload it.
     offline = [name for name in os.listdir(tmp_path / "wandb") if name.startswith("offline-run-")]
     assert len(offline) == 1
-    log = next(name for name in os.listdir(tmp_path / "wandb" / offline[0]) if name.endswith(".wandb"))
+    log = next(
+        name for name in os.listdir(tmp_path / "wandb" / offline[0]) if name.endswith(".wandb")
+    )
     data = (tmp_path / "wandb" / offline[0] / log).read_bytes()
     for key in ("reward", "kl/ref_k3", "q/mean", "eval/demo/pass@1"):
         assert key.encode() in data, key

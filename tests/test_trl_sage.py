@@ -25,12 +25,14 @@ import torch  # noqa: E402
 
 import guides  # noqa: E402
 import loss  # noqa: E402
-import task  # noqa: E402
+from machinery import task  # noqa: E402
+from machinery.fast_logprobs import chunked_token_logps_and_entropies  # noqa: E402
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    import trl_sage  # noqa: E402
     from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+    from extras import trl_sage  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCUMULATION = 2
@@ -41,25 +43,59 @@ ACCUMULATION = 2
 # --------------------------------------------------------------------------------------------
 
 
-def make_trainer(model_dir, tmp_path, *, loss_type="grpo", beta=0.05, guide=None, kl_estimator="k3",
-                 bias_correction=False):
+def make_trainer(
+    model_dir,
+    tmp_path,
+    *,
+    loss_type="grpo",
+    beta=0.05,
+    guide=None,
+    kl_estimator="k3",
+    bias_correction=False,
+):
     from datasets import Dataset
     from peft import LoraConfig
 
     args = GRPOConfig(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=ACCUMULATION,
-        num_generations=2, max_completion_length=8, beta=beta, loss_type=loss_type, epsilon=0.2, epsilon_high=0.28,
-        use_bias_correction_kl=bias_correction, bf16=False, gradient_checkpointing=False, report_to="none",
-        use_cpu=True, max_steps=10,
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=ACCUMULATION,
+        num_generations=2,
+        max_completion_length=8,
+        beta=beta,
+        loss_type=loss_type,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        use_bias_correction_kl=bias_correction,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        use_cpu=True,
+        max_steps=10,
     )
-    dataset = Dataset.from_list([{"prompt": trl_sage.prompt_messages(f"What is {i} + 1?"), "problem": f"What is {i} + 1?",
-                                  "answer": str(i + 1)} for i in range(8)])
+    dataset = Dataset.from_list(
+        [
+            {
+                "prompt": trl_sage.prompt_messages(f"What is {i} + 1?"),
+                "problem": f"What is {i} + 1?",
+                "answer": str(i + 1),
+            }
+            for i in range(8)
+        ]
+    )
     settings = trl_sage.SageSettings(guide=guide or guides.GuideConfig(), kl_estimator=kl_estimator)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = trl_sage.SageGRPOTrainer(
-            model_dir, [trl_sage.trl_reward(task.math_reward)], args, sage=settings, train_dataset=dataset,
-            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=trl_sage.LORA_TARGETS, task_type="CAUSAL_LM"))
+            model_dir,
+            [trl_sage.trl_reward(task.math_reward)],
+            args,
+            sage=settings,
+            train_dataset=dataset,
+            peft_config=LoraConfig(
+                r=4, lora_alpha=8, target_modules=trl_sage.LORA_TARGETS, task_type="CAUSAL_LM"
+            ),
+        )
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():  # move the policy away from the reference (LoRA starts at B = 0)
         for param in trainer.model.parameters():
@@ -71,7 +107,8 @@ def make_trainer(model_dir, tmp_path, *, loss_type="grpo", beta=0.05, guide=None
 
 
 def make_inputs(trainer, *, off_policy=False, importance=None):
-    """A batch as TRL's generation step returns it: left-padded prompts, right-padded completions."""
+    """A batch as TRL's generation step returns it: left-padded prompts, right-padded
+    completions."""
     generator = torch.Generator().manual_seed(1)
     vocab = trainer.model.config.vocab_size
     prompt_lengths, completion_lengths = [5, 3, 4, 5], [6, 2, 4, 1]
@@ -80,21 +117,29 @@ def make_inputs(trainer, *, off_policy=False, importance=None):
     completion_ids = torch.zeros(4, 6, dtype=torch.long)
     completion_mask = torch.zeros(4, 6, dtype=torch.long)
     for row, (p, c) in enumerate(zip(prompt_lengths, completion_lengths)):
-        prompt_ids[row, 5 - p:] = torch.randint(10, vocab - 10, (p,), generator=generator)
-        prompt_mask[row, 5 - p:] = 1
+        prompt_ids[row, 5 - p :] = torch.randint(10, vocab - 10, (p,), generator=generator)
+        prompt_mask[row, 5 - p :] = 1
         completion_ids[row, :c] = torch.randint(10, vocab - 10, (c,), generator=generator)
         completion_mask[row, :c] = 1
     inputs = {
-        "prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids,
-        "completion_mask": completion_mask, "advantages": torch.randn(4, generator=generator),
-        "num_items_in_batch": completion_mask.sum() * 3,  # as if the generation batch held more tokens
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(4, generator=generator),
+        # as if the generation batch held more tokens
+        "num_items_in_batch": completion_mask.sum() * 3,
     }
     input_ids = torch.cat([prompt_ids, completion_ids], 1)
     attention_mask = torch.cat([prompt_mask, completion_mask], 1)
     with torch.no_grad():
-        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, 6)
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, input_ids, attention_mask, 6
+        )
         with trainer.model.disable_adapter():
-            ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, 6)
+            ref, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, input_ids, attention_mask, 6
+            )
     if trainer.beta != 0:
         inputs["ref_per_token_logps"] = ref
     if off_policy:  # pi_old != pi: ratios away from 1, some clipped
@@ -105,25 +150,45 @@ def make_inputs(trainer, *, off_policy=False, importance=None):
 
 
 def reference_loss(trainer, inputs, guide_config, kl_estimator):
-    """loss.policy_loss on log-probs and entropies from the model's plain logits (not TRL's pass)."""
+    """loss.policy_loss on log-probs and entropies from the model's plain logits (not TRL's
+    pass)."""
     completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"]
     length = completion_ids.shape[1]
-    logits = trainer.model(input_ids=torch.cat([inputs["prompt_ids"], completion_ids], 1),
-                           attention_mask=torch.cat([inputs["prompt_mask"], mask], 1)).logits
-    logps, entropies = loss.token_logps_and_entropies(logits[:, -length - 1:-1], completion_ids,
-                                                      trainer.temperature, inplace_backward=False)
+    logits = trainer.model(
+        input_ids=torch.cat([inputs["prompt_ids"], completion_ids], 1),
+        attention_mask=torch.cat([inputs["prompt_mask"], mask], 1),
+    ).logits
+    logps, entropies = chunked_token_logps_and_entropies(
+        logits[:, -length - 1 : -1], completion_ids, trainer.temperature, inplace_backward=False
+    )
     old = inputs.get("old_per_token_logps", logps.detach())
     log_q = None
     if guide_config.name != "none":
-        log_q = guides.compute_log_q(guide_config, old, entropies, mask, 0, trainer.args.max_steps,
-                                     trl_sage.guide_generator(trainer.args.seed, 0, 0, 0))
+        log_q = guides.compute_log_q(
+            guide_config,
+            old,
+            entropies,
+            mask,
+            0,
+            trainer.args.max_steps,
+            trl_sage.guide_generator(trainer.args.seed, 0, 0, 0),
+        )
     aggregation = trl_sage.AGGREGATIONS[trainer.loss_type]
     global_tokens = inputs["num_items_in_batch"] * ACCUMULATION / trainer.args.steps_per_generation
     importance = inputs.get("importance_sampling_ratio")
-    value, _ = loss.policy_loss(
-        logps, old, inputs["advantages"], mask, inputs.get("ref_per_token_logps"), log_q, beta=trainer.args.beta,
-        kl_estimator=kl_estimator, eps_low=0.2, eps_high=0.28, aggregation=aggregation, max_completion_length=8,
-        global_num_tokens=global_tokens, importance_weights=None if importance is None else importance.expand_as(mask))
+    weights = None if importance is None else importance.expand_as(mask)
+    fixed = loss.HeldFixed(
+        old, inputs.get("ref_per_token_logps"), log_q, importance_weights=weights
+    )
+    config = loss.LossConfig(
+        aggregation=aggregation,
+        eps_low=0.2,
+        eps_high=0.28,
+        kl_estimator=kl_estimator,
+        beta=trainer.args.beta,
+        max_completion_length=8,
+    )
+    value, _ = loss.policy_loss(logps, inputs["advantages"], mask, fixed, config, global_tokens)
     return value if aggregation == "dapo" else value / ACCUMULATION
 
 
@@ -147,6 +212,7 @@ def assert_close(first, second, tolerance=1e-6):
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.cpu_only("TRL's and sage.py's losses agree to 1e-7 in CPU float32")
 def test_trl_path_matches_policy_loss_with_a_guide(tiny_model_dir, tmp_path):
     cases = [
         # branch: tau at the median entropy and a slope that spans [1, 1.4] over this batch
@@ -156,12 +222,21 @@ def test_trl_path_matches_policy_loss_with_a_guide(tiny_model_dir, tmp_path):
         ("token", "dr_grpo", "k2", False),
     ]
     for guide_name, loss_type, estimator, off_policy in cases:
-        trainer = make_trainer(tiny_model_dir, tmp_path, loss_type=loss_type, kl_estimator=estimator,
-                               bias_correction=estimator == "ratio_k3")
+        trainer = make_trainer(
+            tiny_model_dir,
+            tmp_path,
+            loss_type=loss_type,
+            kl_estimator=estimator,
+            bias_correction=estimator == "ratio_k3",
+        )
         inputs = make_inputs(trainer, off_policy=off_policy)
         _, entropies, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
-            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), 6, compute_entropy=True)
+            trainer.model,
+            torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+            torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
+            6,
+            compute_entropy=True,
+        )
         valid = entropies[inputs["completion_mask"].bool()]
         spread = (valid.max() - valid.median()).item()
         config = guides.GuideConfig(name=guide_name, tau=valid.median().item(), ratio=0.5 / spread)
@@ -169,33 +244,52 @@ def test_trl_path_matches_policy_loss_with_a_guide(tiny_model_dir, tmp_path):
         ours = loss_and_grads(trainer, lambda: trainer.compute_loss(trainer.model, inputs))
         log_q = inputs["sage_log_q"][inputs["completion_mask"].bool()]
         assert log_q.std() > 0.01, f"{guide_name}: the guide is trivial in this batch"
-        reference = loss_and_grads(trainer, lambda: reference_loss(trainer, inputs, config, estimator))
+        reference = loss_and_grads(
+            trainer, lambda: reference_loss(trainer, inputs, config, estimator)
+        )
         assert_close(ours, reference)
-        # ... and the guide matters at that precision: without it, loss and gradient move by far more.
-        unguided = loss_and_grads(trainer, lambda: reference_loss(trainer, inputs, guides.GuideConfig(), estimator))
+        # ... and the guide matters at that precision: without it, loss and gradient move by far
+        # more.
+        unguided = loss_and_grads(
+            trainer, lambda: reference_loss(trainer, inputs, guides.GuideConfig(), estimator)
+        )
         moved = max((a - b).abs().max().item() for a, b in zip(ours[1], unguided[1]))
         assert moved > 1e-4, f"{guide_name}: the guide changes the gradient by only {moved:.2g}"
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.cpu_only("TRL's and sage.py's losses agree to 1e-7 in CPU float32")
 def test_at_q_equal_1_the_loss_is_trls_own(tiny_model_dir, tmp_path, loss_type):
     # (estimator, TRL's use_bias_correction_kl, old log-probs, vLLM IS ratio shape)
-    cases = [("k3", False, False, None), ("k3", False, True, (4, 6)), ("ratio_k3", True, False, (4, 1))]
+    cases = [
+        ("k3", False, False, None),
+        ("k3", False, True, (4, 6)),
+        ("ratio_k3", True, False, (4, 1)),
+    ]
     for estimator, bias_correction, off_policy, ratio_shape in cases:
-        trainer = make_trainer(tiny_model_dir, tmp_path, loss_type=loss_type, kl_estimator=estimator,
-                               bias_correction=bias_correction)
+        trainer = make_trainer(
+            tiny_model_dir,
+            tmp_path,
+            loss_type=loss_type,
+            kl_estimator=estimator,
+            bias_correction=bias_correction,
+        )
         importance = None
-        if ratio_shape is not None:  # as TRL's generation step leaves it with vLLM's IS correction on
+        if ratio_shape is not None:  # as TRL's generation step leaves it, vLLM's IS correction on
             trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
             importance = torch.rand(ratio_shape, generator=torch.Generator().manual_seed(2)) + 0.5
         inputs = make_inputs(trainer, off_policy=off_policy, importance=importance)
         ours = loss_and_grads(trainer, lambda: trainer.compute_loss(trainer.model, inputs))
-        theirs = loss_and_grads(trainer, lambda: GRPOTrainer._compute_loss(trainer, trainer.model, inputs))
+        theirs = loss_and_grads(
+            trainer, lambda: GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+        )
         assert_close(ours, theirs)
 
 
+@pytest.mark.cpu_only("exact CPU float32 comparison")
 def test_kl_return_reward_is_the_sequence_k1_of_the_anchor(tiny_model_dir, tmp_path):
-    """k1_return: TRL's reward hook gets -beta * sum_t (log pi - log pi_ref - log q_t) per completion."""
+    """k1_return: TRL's reward hook gets -beta * sum_t (log pi - log pi_ref - log q_t) per
+    completion."""
     config = guides.GuideConfig(name="branch", tau=5.0, ratio=2.0)
     trainer = make_trainer(tiny_model_dir, tmp_path, guide=config, kl_estimator="k1_return")
     assert trainer.beta == 0.0 and trainer.sage_beta == 0.05  # TRL's own reference pass is skipped
@@ -203,7 +297,10 @@ def test_kl_return_reward_is_the_sequence_k1_of_the_anchor(tiny_model_dir, tmp_p
     tokenizer = trainer.processing_class
     problems = ["What is 3 + 4?", "Add 1 and 2."]
     prompts = [trl_sage.prompt_messages(p) for p in problems]
-    completions = [tokenizer("<SOLUTION>7</SOLUTION>", add_special_tokens=False)["input_ids"], [5, 6, 7]]
+    completions = [
+        tokenizer("<SOLUTION>7</SOLUTION>", add_special_tokens=False)["input_ids"],
+        [5, 6, 7],
+    ]
     logged = {}
     rewards = trainer.kl_return(prompts, None, completions, log_metric=logged.__setitem__)
 
@@ -212,15 +309,17 @@ def test_kl_return_reward_is_the_sequence_k1_of_the_anchor(tiny_model_dir, tmp_p
         prompt = trl_sage.build_prompt_ids(tokenizer, problem)
         ids = torch.tensor([prompt + completion])
         with torch.no_grad():
-            logits = trainer.model(input_ids=ids).logits[:, len(prompt) - 1:-1]
+            logits = trainer.model(input_ids=ids).logits[:, len(prompt) - 1 : -1]
             with trainer.model.disable_adapter():
-                ref_logits = trainer.model(input_ids=ids).logits[:, len(prompt) - 1:-1]
+                ref_logits = trainer.model(input_ids=ids).logits[:, len(prompt) - 1 : -1]
         target = torch.tensor([completion])
         logps, entropies = loss.token_logps_and_entropies(logits, target)
         ref, _ = loss.token_logps_and_entropies(ref_logits, target)
         mask = torch.ones_like(logps)
         log_q = guides.compute_log_q(config, logps, entropies, mask, 0, 10)
-        expected.append(loss.kl_shaped_rewards(torch.zeros(1), logps, ref, log_q, mask, 0.05).item())
+        expected.append(
+            loss.kl_shaped_rewards(torch.zeros(1), logps, ref, log_q, mask, 0.05).item()
+        )
     assert rewards == pytest.approx(expected, abs=1e-5)
     assert set(logged) == {"kl/ref_k1", "kl/anchor_k1", "q/mean"}
 
@@ -233,15 +332,37 @@ def test_trls_prompt_tokens_are_the_projects(tiny_model_dir, tmp_path):
 
 
 def test_unsupported_settings_are_refused_in_one_line(tmp_path, capsys):
-    args = GRPOConfig(output_dir=str(tmp_path), loss_type="cispo", bf16=False, use_cpu=True, report_to="none")
-    assert trl_sage.unsupported(args, trl_sage.SageSettings())[0].startswith("loss_type='cispo' is not supported")
+    args = GRPOConfig(
+        output_dir=str(tmp_path), loss_type="cispo", bf16=False, use_cpu=True, report_to="none"
+    )
+    assert trl_sage.unsupported(args, trl_sage.SageSettings())[0].startswith(
+        "loss_type='cispo' is not supported"
+    )
     out = ["--out", str(tmp_path)]
     for argv, message in [
         (["--model", "m", "--advantage", "rloo", *out], "--advantage rloo is not available on TRL"),
-        (["--model", "m", "--guide", "branch", "--beta", "0", *out], "acts only through the KL anchor"),
-        (["--model", "m", "--kl-estimator", "k1_return", "--kl", "forward", *out], "k1_return needs --kl reverse"),
-        (["--model", "m", "--prompts-per-step", "3", "--rollouts", "3", "--micro-batch-size", "2", *out],
-         "must be a multiple of --micro-batch-size x processes"),
+        (
+            ["--model", "m", "--guide", "branch", "--beta", "0", *out],
+            "acts only through the KL anchor",
+        ),
+        (
+            ["--model", "m", "--kl-estimator", "k1_return", "--kl", "forward", *out],
+            "k1_return needs --kl reverse",
+        ),
+        (
+            [
+                "--model",
+                "m",
+                "--prompts-per-step",
+                "3",
+                "--rollouts",
+                "3",
+                "--micro-batch-size",
+                "2",
+                *out,
+            ],
+            "must be a multiple of --micro-batch-size x processes",
+        ),
         (["--model", "m", "--resume", *out], "holds no checkpoint"),
         (out, "--model"),
     ]:
@@ -257,13 +378,43 @@ def test_shared_flags_have_sage_py_names_and_defaults():
 
     import sage
 
+    def flag_defaults(cls):
+        """{flag: default} of a command-line dataclass and of its nested ones (loss, guide)."""
+        found = {}
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            flag = f.metadata.get("flag", f.name)
+            if dataclasses.is_dataclass(default):
+                found.update(flag_defaults(type(default)))
+            elif flag is not None and default is not None:
+                found[flag.replace("-", "_")] = default
+        return found
+
     # (sage.py's None defaults are resolved from its --algo preset; TRL has no presets)
-    sage_fields = {f.name: f.default for f in dataclasses.fields(sage.Config) if f.default is not None}
-    # --model is required here (no demo); --report-to names TRL's trackers, metrics.jsonl is always written
+    sage_fields = flag_defaults(sage.Config)
+    # --model is required here (no demo); --report-to names TRL's trackers, metrics.jsonl is
+    # always written
     own = {"model", "report_to"}
-    shared = [f for f in dataclasses.fields(trl_sage.TRLArgs) if f.name in sage_fields and f.name not in own]
-    assert {"dataset", "guide", "beta", "kl_estimator", "lr", "lora_rank", "temperature", "min_p",
-            "rollouts", "prompts_per_step", "steps", "max_seq_len"} <= {f.name for f in shared}
+    own.add("gpu_memory_utilization")  # sage.py's 0 stands for its device's default, 0.3 on a GPU
+    shared = [
+        f
+        for f in dataclasses.fields(trl_sage.TRLArgs)
+        if f.name in sage_fields and f.name not in own
+    ]
+    assert {
+        "dataset",
+        "guide",
+        "beta",
+        "kl_estimator",
+        "lr",
+        "lora_rank",
+        "temperature",
+        "min_p",
+        "rollouts",
+        "prompts_per_step",
+        "steps",
+        "max_seq_len",
+    } <= {f.name for f in shared}
     for f in shared:
         assert f.default == sage_fields[f.name], f.name
 
@@ -274,39 +425,77 @@ def test_shared_flags_have_sage_py_names_and_defaults():
 
 
 def test_private_trl_signature_is_the_pinned_one():
-    pinned = ["self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
-              "compute_aux_loss"]
+    pinned = [
+        "self",
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+        "compute_aux_loss",
+    ]
     found = list(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
     assert found[: len(pinned)] == pinned, (
-        f"TRL {trl.__version__} changed GRPOTrainer._get_per_token_logps_and_entropies{tuple(found)}; trl_sage.py is "
-        f"written against TRL {trl_sage.TRL_VERSION} (parameters {tuple(pinned)}, returns (logps, entropies, "
-        f"aux_loss)): pin trl=={trl_sage.TRL_VERSION} or update SageGRPOTrainer.compute_loss and kl_return")
+        f"TRL {trl.__version__} changed "
+        f"GRPOTrainer._get_per_token_logps_and_entropies{tuple(found)}; trl_sage.py is "
+        f"written against TRL {trl_sage.TRL_VERSION} (parameters {tuple(pinned)}, "
+        f"returns (logps, entropies, aux_loss)): pin trl=={trl_sage.TRL_VERSION} "
+        "or update SageGRPOTrainer.compute_loss and kl_return"
+    )
     public = list(inspect.signature(GRPOTrainer.compute_loss).parameters)
     assert public == ["self", "model", "inputs", "return_outputs", "num_items_in_batch"], (
-        f"TRL {trl.__version__}: GRPOTrainer.compute_loss{tuple(public)} is not the hook trl_sage overrides "
-        f"(written against TRL {trl_sage.TRL_VERSION})")
+        f"TRL {trl.__version__}: GRPOTrainer.compute_loss{tuple(public)} is not the hook "
+        f"trl_sage overrides (written against TRL {trl_sage.TRL_VERSION})"
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # End to end: the CLI as a subprocess (transformers generation on CPU)
 # --------------------------------------------------------------------------------------------
 
-TINY = ["--prompts-per-step", "2", "--rollouts", "2", "--max-seq-len", "96", "--max-prompt-len", "80",
-        "--save-every", "1", "--lr", "1e-3", "--warmup-ratio", "0"]
+TINY = [
+    "--prompts-per-step",
+    "2",
+    "--rollouts",
+    "2",
+    "--max-seq-len",
+    "96",
+    "--max-prompt-len",
+    "80",
+    "--save-every",
+    "1",
+    "--lr",
+    "1e-3",
+    "--warmup-ratio",
+    "0",
+]
 
 
 def subprocess_env():
     trl_root = os.path.dirname(os.path.dirname(os.path.abspath(trl.__file__)))
     path = os.pathsep.join(p for p in (REPO, trl_root, os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
-            "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 @pytest.fixture
 def train_file(tmp_path):
     path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"What is {a} + {b}?", "solution": str(a + b)}) + "\n"
-                            for a in range(3) for b in range(3)))
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": f"What is {a} + {b}?", "solution": str(a + b)}) + "\n"
+            for a in range(3)
+            for b in range(3)
+        )
+    )
     return str(path)
 
 
@@ -330,15 +519,43 @@ def check_run(result, run_dir, steps, guide_in_loss=True):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("guide, extra", [
-    ("branch", []),
-    ("token", ["--kl-estimator", "k1_return", "--advantage", "dr_grpo", "--loss-agg", "dr_grpo"]),
-])
+@pytest.mark.parametrize(
+    "guide, extra",
+    [
+        ("branch", []),
+        (
+            "token",
+            ["--kl-estimator", "k1_return", "--advantage", "dr_grpo", "--loss-agg", "dr_grpo"],
+        ),
+    ],
+)
 def test_two_step_cli_run(tiny_model_dir, train_file, tmp_path, guide, extra):
-    argv = [*TINY, "--steps", "2", "--model", tiny_model_dir, "--dataset", train_file, "--guide", guide,
-            "--micro-batch-size", "2", "--out", str(tmp_path), "--name", "run", *extra]
-    result = subprocess.run([sys.executable, "-W", "ignore", os.path.join(REPO, "trl_sage.py"), *argv],
-                            capture_output=True, text=True, cwd=REPO, env=subprocess_env(), timeout=600)
+    argv = [
+        *TINY,
+        "--steps",
+        "2",
+        "--model",
+        tiny_model_dir,
+        "--dataset",
+        train_file,
+        "--guide",
+        guide,
+        "--micro-batch-size",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "run",
+        *extra,
+    ]
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "extras.trl_sage", *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=subprocess_env(),
+        timeout=600,
+    )
     in_return = "k1_return" in extra  # the guide is in the return: logged by the reward hook
     check_run(result, tmp_path / "run", steps=2, guide_in_loss=not in_return)
     if in_return:
@@ -347,33 +564,103 @@ def test_two_step_cli_run(tiny_model_dir, train_file, tmp_path, guide, extra):
 
 
 @pytest.mark.slow
-def test_one_step_under_accelerate_launch_with_two_cpu_processes(tiny_model_dir, train_file, tmp_path):
+def test_one_step_under_accelerate_launch_with_two_cpu_processes(
+    tiny_model_dir, train_file, tmp_path
+):
     # `accelerate launch --cpu --num_processes 2` starts ONE process (accelerate's --cpu launcher is
     # single-process unless mpirun is used); --multi_gpu starts two through torchrun, and on a
     # machine without CUDA, use_cpu=True makes them a MULTI_CPU group on gloo.
-    launch = [sys.executable, "-W", "ignore", "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
-              "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-              "--main_process_port", "29517"]
+    launch = [
+        sys.executable,
+        "-W",
+        "ignore",
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        "29517",
+    ]
     # 2 prompts x 2 rollouts = 4 completions: 1 per process per micro-batch, 2 accumulated
-    argv = [*TINY, "--steps", "1", "--model", tiny_model_dir, "--dataset", train_file, "--guide", "branch",
-            "--micro-batch-size", "1", "--out", str(tmp_path), "--name", "run"]
-    result = subprocess.run([*launch, os.path.join(REPO, "trl_sage.py"), *argv], capture_output=True, text=True,
-                            cwd=REPO, env=subprocess_env(), timeout=600)
+    argv = [
+        *TINY,
+        "--steps",
+        "1",
+        "--model",
+        tiny_model_dir,
+        "--dataset",
+        train_file,
+        "--guide",
+        "branch",
+        "--micro-batch-size",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "run",
+    ]
+    result = subprocess.run(
+        [*launch, "-m", "extras.trl_sage", *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=subprocess_env(),
+        timeout=600,
+    )
     check_run(result, tmp_path / "run", steps=1)
     assert "trl_sage: 2 processes x micro-batch 1 x 2 accumulation steps" in result.stdout
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_only("a resumed run repeats the CPU's float32 arithmetic exactly")
 def test_a_resumed_run_continues_from_its_checkpoint(tiny_model_dir, train_file, tmp_path):
-    argv = [*TINY, "--model", tiny_model_dir, "--dataset", train_file, "--guide", "token", "--micro-batch-size", "2",
-            "--out", str(tmp_path), "--name", "run"]
-    command = [sys.executable, "-W", "ignore", os.path.join(REPO, "trl_sage.py")]
-    first = subprocess.run([*command, *argv, "--steps", "1"], capture_output=True, text=True, cwd=REPO,
-                           env=subprocess_env(), timeout=600)
+    argv = [
+        *TINY,
+        "--model",
+        tiny_model_dir,
+        "--dataset",
+        train_file,
+        "--guide",
+        "token",
+        "--micro-batch-size",
+        "2",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "run",
+    ]
+    command = [sys.executable, "-W", "ignore", "-m", "extras.trl_sage"]
+    first = subprocess.run(
+        [*command, *argv, "--steps", "1"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=subprocess_env(),
+        timeout=600,
+    )
     assert first.returncode == 0, first.stderr[-3000:]
-    again = subprocess.run([*command, *argv, "--steps", "2"], capture_output=True, text=True, cwd=REPO,
-                           env=subprocess_env(), timeout=600)
+    again = subprocess.run(
+        [*command, *argv, "--steps", "2"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=subprocess_env(),
+        timeout=600,
+    )
     assert again.returncode == 2 and "pass --resume" in again.stderr.strip().splitlines()[-1]
-    resumed = subprocess.run([*command, *argv, "--steps", "2", "--resume"], capture_output=True, text=True, cwd=REPO,
-                             env=subprocess_env(), timeout=600)
+    resumed = subprocess.run(
+        [*command, *argv, "--steps", "2", "--resume"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=subprocess_env(),
+        timeout=600,
+    )
     check_run(resumed, tmp_path / "run", steps=2)

@@ -17,7 +17,7 @@ b. The same for the entropy bonus (Eq. 21) and forward KL (Eq. 27); SAGE equals 
    reweighted by w (Eqs. 28-29), and under the separation condition (30) it puts less mass
    off-target (31) -- a counterexample shows the condition is needed.
 c. Theorem 4.3 on an App. C-style example whose guide is computed by our code
-   (``loss.token_logps_and_entropies`` then ``guides.compute_log_q``, branch, defaults): a rare
+   (the trainer's log-prob kernel then ``guides.compute_log_q``, branch, defaults): a rare
    correct completion outside supp_delta(pi_RL) enters supp_delta(pi_q*).
 d. The fixed points of ``loss.policy_loss`` with each estimator, found by iterating its exact
    expected gradient (``toy.fixed_points``): which estimator realizes Eq. 4 (k1 in the return,

@@ -1,4 +1,4 @@
-"""``python -m toy [--json] [--only TEXT]``: run the exact checks, print a table, exit 1 if any fails.
+"""``python -m toy [--json] [--only TEXT]``: the exact checks as a table; exit 1 if any fails.
 
 The table has one row per claim: its name, the measured error (or gap, for the separation rows
 marked ">"), the tolerance it is held to, pass/FAIL, and what was measured. ``--json`` prints the
@@ -20,7 +20,10 @@ from toy.checks import CHECKS, Result, run_checks
 def format_table(results: list[Result], seconds: float) -> str:
     """The rows as aligned text, with a legend and a one-line summary."""
     width = max(len(r.name) for r in results)
-    lines = [f"{'sec':<3}  {'check':<{width}}  {'max abs error':>13}  {'tolerance':<11}  {'pass':<4}  quantity"]
+    lines = [
+        f"{'sec':<3}  {'check':<{width}}  {'max abs error':>13}  {'tolerance':<11}  "
+        f"{'pass':<4}  quantity"
+    ]
     lines.append("-" * len(lines[0]))
     for r in results:
         tolerance = f"{r.relation} {r.tolerance:.0e}" if r.tolerance else f"{r.relation} 0"
@@ -41,13 +44,25 @@ def format_table(results: list[Result], seconds: float) -> str:
 
 def main(argv: list[str] | None = None, checks=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m toy", description="Run toy/'s exact checks, print a table, exit 1 if any fails."
+        prog="python -m toy",
+        description="Run toy/'s exact checks, print a table, exit 1 if any fails.",
     )
-    parser.add_argument("--json", action="store_true", help="print the rows as a JSON list instead of a table")
-    parser.add_argument("--table", action="store_true",
-                        help="print pi(y2) at each estimator's fixed point on the App. C tree (toy/table.py) and exit")
     parser.add_argument(
-        "--only", default=None, metavar="TEXT", help="run only the check functions whose name contains TEXT"
+        "--json", action="store_true", help="print the rows as a JSON list instead of a table"
+    )
+    parser.add_argument(
+        "--table",
+        action="store_true",
+        help=(
+            "print pi(y2) at each estimator's fixed point on the App. C tree (toy/table.py) "
+            "and exit"
+        ),
+    )
+    parser.add_argument(
+        "--only",
+        default=None,
+        metavar="TEXT",
+        help="run only the check functions whose name contains TEXT",
     )
     args = parser.parse_args(argv)
     if args.table:

@@ -52,7 +52,8 @@ INVERSE_E = math.exp(-1.0)
 
 
 def inverse_u_log_u(c: torch.Tensor, lower: bool) -> torch.Tensor:
-    """u with u log u = c on one branch: upper (u >= 1/e, any c >= -1/e) or lower (u <= 1/e, -1/e <= c < 0).
+    """u with u log u = c on one branch: upper (u >= 1/e, any c >= -1/e) or lower (u <= 1/e,
+    -1/e <= c < 0).
 
     Bisection on log u (u log u is monotone on each branch), elementwise, to the last bit.
 
@@ -65,16 +66,22 @@ def inverse_u_log_u(c: torch.Tensor, lower: bool) -> torch.Tensor:
     high = torch.full_like(c, -1.0 if lower else 60.0)
     for _ in range(72):
         middle = 0.5 * (low + high)
-        # True where the root lies above middle (upper: u log u increases with u; lower: it decreases)
+        # True where the root lies above middle (upper: u log u increases with u; lower: it
+        # decreases)
         go_up = (middle.exp() * middle < c) != lower
         low, high = torch.where(go_up, middle, low), torch.where(go_up, high, middle)
     return (0.5 * (low + high)).exp()
 
 
-def forward_node_probs(anchor: torch.Tensor, q_values: torch.Tensor, beta: float, lams: torch.Tensor,
-                       lower_child: int | None) -> torch.Tensor:
-    """[L, n]: pi(a|s) = p~(a|s) / u_a with Q + beta u log u = lambda for each lambda of ``lams`` [L],
-    every u on the upper branch but child ``lower_child``'s, on the lower one."""
+def forward_node_probs(
+    anchor: torch.Tensor,
+    q_values: torch.Tensor,
+    beta: float,
+    lams: torch.Tensor,
+    lower_child: int | None,
+) -> torch.Tensor:
+    """[L, n]: pi(a|s) = p~(a|s) / u_a with Q + beta u log u = lambda for each lambda of
+    ``lams`` [L], every u on the upper branch but child ``lower_child``'s, on the lower one."""
     c = ((lams[:, None] - q_values[None, :]) / beta).clamp_min(-INVERSE_E)  # [L, n]
     u = inverse_u_log_u(c, lower=False)
     if lower_child is not None:
@@ -82,9 +89,13 @@ def forward_node_probs(anchor: torch.Tensor, q_values: torch.Tensor, beta: float
     return anchor / u
 
 
-def forward_roots(anchor, q_values, beta, low, high, lower_child, grid=64, rounds=9) -> list[torch.Tensor]:
-    """Every root in [low, high] of sum_a pi(a|s; lambda) - 1 for one branch assignment: sign changes
-    on a grid of lambda, each bracket refined by re-gridding it (64^9 ~ 2^54: to the last bit)."""
+def forward_roots(
+    anchor, q_values, beta, low, high, lower_child, grid=64, rounds=9
+) -> list[torch.Tensor]:
+    """Every root in [low, high] of sum_a pi(a|s; lambda) - 1 for one branch assignment: sign
+    changes on a grid of lambda, each bracket refined by re-gridding it (64^9 ~ 2^54: to the last
+    bit)."""
+
     def excess(lams):
         return forward_node_probs(anchor, q_values, beta, lams, lower_child).sum(dim=1) - 1.0
 
@@ -98,8 +109,11 @@ def forward_roots(anchor, q_values, beta, low, high, lower_child, grid=64, round
             sub_values = excess(sub)
             j = torch.nonzero(sub_values[:-1] * sub_values[1:] <= 0).flatten()[0].item()
             a, b = sub[j].item(), sub[j + 1].item()
-        roots.append(forward_node_probs(anchor, q_values, beta, torch.tensor([0.5 * (a + b)], dtype=DTYPE),
-                                        lower_child)[0])
+        roots.append(
+            forward_node_probs(
+                anchor, q_values, beta, torch.tensor([0.5 * (a + b)], dtype=DTYPE), lower_child
+            )[0]
+        )
     return roots
 
 
@@ -110,7 +124,10 @@ def forward_node(anchor: torch.Tensor, q_values: torch.Tensor, beta: float) -> t
     top = q_values.max().item()
     lam_min = top - beta * INVERSE_E  # below it some u log u < -1/e: no solution
     lam_max = top + beta
-    while forward_node_probs(anchor, q_values, beta, torch.tensor([lam_max], dtype=DTYPE), None).sum() > 1.0:
+    while (
+        forward_node_probs(anchor, q_values, beta, torch.tensor([lam_max], dtype=DTYPE), None).sum()
+        > 1.0
+    ):
         lam_max = top + 2 * (lam_max - top)  # sum pi falls to 0 as lambda grows on the upper branch
     attractors = []
     for lower_child in [None, *range(len(anchor))]:
@@ -124,14 +141,23 @@ def forward_node(anchor: torch.Tensor, q_values: torch.Tensor, beta: float) -> t
             stable = lower.sum() == 0 or (lower.sum() == 1 and (pi / (u * (1 + u.log()))).sum() < 0)
             if stable and abs(pi.sum().item() - 1.0) < 1e-12:
                 attractors.append(pi / pi.sum())
-    distinct = [p for i, p in enumerate(attractors) if all((p - o).abs().max() > 1e-9 for o in attractors[:i])]
+    distinct = [
+        p
+        for i, p in enumerate(attractors)
+        if all((p - o).abs().max() > 1e-9 for o in attractors[:i])
+    ]
     if len(distinct) != 1:
-        raise ValueError(f"the forward penalty has {len(distinct)} attracting roots at this node, not one")
+        raise ValueError(
+            f"the forward penalty has {len(distinct)} attracting roots at this node, not one"
+        )
     return distinct[0]
 
 
-def node_solution(anchor: torch.Tensor, q_values: torch.Tensor, beta: float, estimator: str) -> torch.Tensor:
-    """pi(a|s) solving a per-token estimator's node condition, given p~(a|s) (unnormalized) and Q(s, a)."""
+def node_solution(
+    anchor: torch.Tensor, q_values: torch.Tensor, beta: float, estimator: str
+) -> torch.Tensor:
+    """pi(a|s) solving a per-token estimator's node condition, given p~(a|s) (unnormalized) and
+    Q(s, a)."""
     if estimator in ("k2", "ratio_k3"):
         return torch.softmax(anchor.log() + q_values / beta, dim=0)
     if estimator == "k3":
@@ -141,11 +167,19 @@ def node_solution(anchor: torch.Tensor, q_values: torch.Tensor, beta: float, est
     raise ValueError(f"no per-token node condition for {estimator!r}")
 
 
-def fixed_point(tree: TokenTree, ref_theta: torch.Tensor, rewards: torch.Tensor, log_q_param: torch.Tensor,
-                estimator: str, beta: float) -> torch.Tensor:
+def fixed_point(
+    tree: TokenTree,
+    ref_theta: torch.Tensor,
+    rewards: torch.Tensor,
+    log_q_param: torch.Tensor,
+    estimator: str,
+    beta: float,
+) -> torch.Tensor:
     """Logits [P] of the estimator's fixed point, solved from the deepest nodes up (q fixed)."""
     if estimator != "k1_return" and len(set(tree.lengths.tolist())) > 1:
-        raise ValueError("per-token node conditions need completions of one length (see the module's docstring)")
+        raise ValueError(
+            "per-token node conditions need completions of one length (see the module's docstring)"
+        )
     anchors = (tree.param_log_probs(ref_theta) + log_q_param).exp()  # [P] p~(a|s)
     leaf_value = dict(zip(tree.completions, rewards.tolist()))
     value = {}  # V(s): reward to go (per-token estimators) or soft value (k1_return)
@@ -153,7 +187,9 @@ def fixed_point(tree: TokenTree, ref_theta: torch.Tensor, rewards: torch.Tensor,
     for i in sorted(range(len(tree.nodes)), key=lambda i: -len(tree.nodes[i])):
         s, children, offset = tree.nodes[i], tree.children[i], tree.offsets[i]
         node = slice(offset, offset + len(children))
-        q_values = torch.tensor([leaf_value.get(s + (a,), value.get(s + (a,))) for a in children], dtype=DTYPE)
+        q_values = torch.tensor(
+            [leaf_value.get(s + (a,), value.get(s + (a,))) for a in children], dtype=DTYPE
+        )
         if estimator == "k1_return":
             logits = anchors[node].log() + q_values / beta
             probs = torch.softmax(logits, dim=0)
@@ -165,14 +201,24 @@ def fixed_point(tree: TokenTree, ref_theta: torch.Tensor, rewards: torch.Tensor,
     return theta
 
 
-def branch_log_q_param(tree: TokenTree, theta: torch.Tensor, config: guides.GuideConfig) -> torch.Tensor:
-    """Eq. 11 per (node, child) [P]: log clamp(1 + ratio max(0, H(s) - tau)), H (Eq. 12) of pi_theta at s."""
-    node_q = (1.0 + config.ratio * (tree.node_entropies(theta) - config.tau).clamp_min(0.0))
+def branch_log_q_param(
+    tree: TokenTree, theta: torch.Tensor, config: guides.GuideConfig
+) -> torch.Tensor:
+    """Eq. 11 per (node, child) [P]: log clamp(1 + ratio max(0, H(s) - tau)), H (Eq. 12) of
+    pi_theta at s."""
+    node_q = 1.0 + config.ratio * (tree.node_entropies(theta) - config.tau).clamp_min(0.0)
     return node_q.clamp(config.q_min, config.q_max).log()[tree.node_of_param]
 
 
-def self_consistent_fixed_point(tree: TokenTree, ref_theta: torch.Tensor, rewards: torch.Tensor, estimator: str,
-                                beta: float, config: guides.GuideConfig, iterations: int = 100):
+def self_consistent_fixed_point(
+    tree: TokenTree,
+    ref_theta: torch.Tensor,
+    rewards: torch.Tensor,
+    estimator: str,
+    beta: float,
+    config: guides.GuideConfig,
+    iterations: int = 100,
+):
     """The fixed point whose guide is Eq. 11 on its own entropies: iterate q -> fixed point -> q,
     from the guide of pi_ref. Returns (theta [P], log q [P]); raises if q does not settle."""
     log_q = branch_log_q_param(tree, ref_theta, config)

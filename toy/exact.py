@@ -49,10 +49,14 @@ class TokenTree:
         leaves = set(self.completions)
         prefixes = {y[:t] for y in self.completions for t in range(len(y))}
         if prefixes & leaves:
-            raise ValueError("a completion may not be a prefix of another (end it with an EOS token)")
+            raise ValueError(
+                "a completion may not be a prefix of another (end it with an EOS token)"
+            )
         self.nodes = sorted(prefixes, key=lambda s: (len(s), s))
         node_id = {s: i for i, s in enumerate(self.nodes)}
-        self.children = [sorted({y[len(s)] for y in self.completions if y[: len(s)] == s}) for s in self.nodes]
+        self.children = [
+            sorted({y[len(s)] for y in self.completions if y[: len(s)] == s}) for s in self.nodes
+        ]
         # Flat parameter layout: node i owns theta[offsets[i] : offsets[i] + len(children[i])].
         sizes = [len(c) for c in self.children]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -77,7 +81,10 @@ class TokenTree:
 
     def param_log_probs(self, theta: torch.Tensor) -> torch.Tensor:
         """log pi(a | s) for every (node s, child a) pair: a log-softmax within each node. [P]"""
-        parts = [torch.log_softmax(theta[o : o + len(c)], dim=0) for o, c in zip(self.offsets, self.children)]
+        parts = [
+            torch.log_softmax(theta[o : o + len(c)], dim=0)
+            for o, c in zip(self.offsets, self.children)
+        ]
         return torch.cat(parts)
 
     def token_logps(self, theta: torch.Tensor) -> torch.Tensor:
@@ -103,12 +110,17 @@ class TokenTree:
         True
         """
         weights = (token_weights * self.completion_mask).flatten()
-        per_param = torch.zeros(self.num_params, dtype=DTYPE).index_add(0, self.param_index.flatten(), weights)
-        per_node = torch.zeros(len(self.nodes), dtype=DTYPE).index_add(0, self.node_of_param, per_param)
+        per_param = torch.zeros(self.num_params, dtype=DTYPE).index_add(
+            0, self.param_index.flatten(), weights
+        )
+        per_node = torch.zeros(len(self.nodes), dtype=DTYPE).index_add(
+            0, self.node_of_param, per_param
+        )
         return per_param - self.param_log_probs(theta).exp() * per_node[self.node_of_param]
 
     def per_token(self, per_param: torch.Tensor) -> torch.Tensor:
-        """Spread a per-(node, child) quantity [P] onto the completions' tokens [B, T], 0 on padding."""
+        """Spread a per-(node, child) quantity [P] onto the completions' tokens [B, T], 0 on
+        padding."""
         return per_param[self.param_index] * self.completion_mask
 
     def theta_from_node_probs(self, node_probs: Mapping[tuple, Sequence[float]]) -> torch.Tensor:
@@ -121,7 +133,10 @@ class TokenTree:
         for i, s in enumerate(self.nodes):
             probs = torch.as_tensor(node_probs[s], dtype=DTYPE)
             if probs.shape != (len(self.children[i]),) or abs(probs.sum().item() - 1.0) > 1e-12:
-                raise ValueError(f"node {s}: need {len(self.children[i])} probabilities summing to 1, got {probs}")
+                raise ValueError(
+                    f"node {s}: need {len(self.children[i])} probabilities summing to 1, "
+                    f"got {probs}"
+                )
             theta[self.offsets[i] : self.offsets[i] + len(probs)] = probs.log()
         return theta
 
@@ -243,7 +258,9 @@ def eq27_forward_kl_solution(anchor, rewards, beta):
 # --------------------------------------------------------------------------------------------
 
 
-def maximize(objective: Callable[[torch.Tensor], torch.Tensor], theta0: torch.Tensor, max_steps: int = 100):
+def maximize(
+    objective: Callable[[torch.Tensor], torch.Tensor], theta0: torch.Tensor, max_steps: int = 100
+):
     """argmax_theta objective(theta) by damped, saddle-free Newton steps on the logits.
 
     Each step solves with |H| (the Hessian's eigenvalues made positive), so it always ascends;
@@ -266,7 +283,9 @@ def maximize(objective: Callable[[torch.Tensor], torch.Tensor], theta0: torch.Te
     for _ in range(max_steps):
         if gradient.abs().max() < 1e-14:
             break
-        eigenvalues, eigenvectors = torch.linalg.eigh(torch.autograd.functional.hessian(negative, theta))
+        eigenvalues, eigenvectors = torch.linalg.eigh(
+            torch.autograd.functional.hessian(negative, theta)
+        )
         scale = eigenvalues.abs().max().clamp_min(1e-300)
         flat = eigenvalues.abs() <= 1e-12 * scale  # a node's shift direction
         inverse = torch.where(flat, torch.zeros_like(eigenvalues), 1.0 / eigenvalues.abs())
@@ -280,7 +299,10 @@ def maximize(objective: Callable[[torch.Tensor], torch.Tensor], theta0: torch.Te
         else:
             candidate = theta + step
         candidate_gradient = gradient_of(candidate)
-        if negative(candidate).item() > value and candidate_gradient.abs().max() >= gradient.abs().max():
+        if (
+            negative(candidate).item() > value
+            and candidate_gradient.abs().max() >= gradient.abs().max()
+        ):
             break  # neither higher nor flatter: converged to rounding
         theta, gradient = candidate, candidate_gradient
     return theta, gradient.abs().max().item()

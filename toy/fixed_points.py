@@ -62,21 +62,15 @@ def expected_gradient(
         row_weights: [N] probability weight of each row (e.g. pi(y), or P(group) / G).
         advantages: [N] one per row, detached (as ``loss.compute_advantages`` would give).
         ref_logps, log_q: [B, T] per-token log pi_ref and log q of every completion of the tree.
-        **loss_options: passed to ``loss.policy_loss`` (beta, kl, kl_estimator, aggregation).
+        **loss_options: fields of ``loss.LossConfig`` (beta, kl, kl_estimator, aggregation).
     """
     token_logps = tree.token_logps(theta.detach())[rows]  # [N, T]
     mask = tree.completion_mask[rows]  # [N, T]
     logps = token_logps.requires_grad_(True)  # the loss's input
-    loss_value, _ = loss.policy_loss(
-        logps,
-        logps.detach(),  # pi_old = pi: on-policy, ratio 1
-        advantages,
-        mask,
-        ref_logps[rows],
-        log_q[rows],
-        max_completion_length=tree.shape[1],
-        **loss_options,
-    )
+    # pi_old = pi: on-policy, ratio 1
+    fixed = loss.HeldFixed(logps.detach(), ref_logps[rows], log_q[rows])
+    config = loss.LossConfig(**loss_options, max_completion_length=tree.shape[1])
+    loss_value, _ = loss.policy_loss(logps, advantages, mask, fixed, config)
     (per_token_gradient,) = torch.autograd.grad(loss_value, logps)  # [N, T], each row's own / N
     weights = per_token_gradient * (len(rows) * row_weights)[:, None]  # [N, T]
     # Chain rule through log pi(y_t | y_<t) = log_softmax(theta at node y_<t)[y_t], in closed
@@ -112,15 +106,26 @@ def on_policy_gradient(
         token_logps = tree.token_logps(theta)  # [B, T]
         pi = token_logps.sum(dim=-1).exp()  # [B]
         if kl == "reverse" and kl_estimator == "k1_return":
-            returns = loss.kl_shaped_rewards(rewards, token_logps, ref_logps, log_q, tree.completion_mask, beta)
+            returns = loss.kl_shaped_rewards(
+                rewards, token_logps, ref_logps, log_q, tree.completion_mask, beta
+            )
             returns = returns.to(DTYPE)
         else:
             returns = rewards
         advantages = returns - (pi * returns).sum()
     rows = torch.arange(len(tree.completions))
     return expected_gradient(
-        tree, theta, rows, pi, advantages, ref_logps, log_q,
-        beta=beta, kl=kl, kl_estimator=kl_estimator, aggregation=aggregation,
+        tree,
+        theta,
+        rows,
+        pi,
+        advantages,
+        ref_logps,
+        log_q,
+        beta=beta,
+        kl=kl,
+        kl_estimator=kl_estimator,
+        aggregation=aggregation,
     )
 
 
@@ -150,21 +155,38 @@ def group_gradient(
         pi = token_logps.sum(dim=-1).exp()  # [B]
         returns = rewards
         if kl == "reverse" and kl_estimator == "k1_return":
-            returns = loss.kl_shaped_rewards(rewards, token_logps, ref_logps, log_q, tree.completion_mask, beta)
-        groups = torch.tensor(list(combinations_with_replacement(range(len(pi)), group_size)))  # [M, G]
+            returns = loss.kl_shaped_rewards(
+                rewards, token_logps, ref_logps, log_q, tree.completion_mask, beta
+            )
+        groups = torch.tensor(
+            list(combinations_with_replacement(range(len(pi)), group_size))
+        )  # [M, G]
         counts = torch.stack([(groups == b).sum(dim=1) for b in range(len(pi))], dim=1)  # [M, B]
-        log_multinomial = math.lgamma(group_size + 1) - torch.lgamma(counts.to(DTYPE) + 1).sum(dim=1)
+        log_multinomial = math.lgamma(group_size + 1) - torch.lgamma(counts.to(DTYPE) + 1).sum(
+            dim=1
+        )
         group_probs = (log_multinomial + (counts * pi.log()).sum(dim=1)).exp()  # [M]
         rows = groups.flatten()  # [M * G], grouped by prompt as loss.py expects
         advantages = loss.compute_advantages(returns[rows], group_size, advantage).to(DTYPE)
         row_weights = (group_probs / group_size).repeat_interleave(group_size)
     return expected_gradient(
-        tree, theta, rows, row_weights, advantages, ref_logps, log_q,
-        beta=beta, kl=kl, kl_estimator=kl_estimator, aggregation="grpo",
+        tree,
+        theta,
+        rows,
+        row_weights,
+        advantages,
+        ref_logps,
+        log_q,
+        beta=beta,
+        kl=kl,
+        kl_estimator=kl_estimator,
+        aggregation="grpo",
     )
 
 
-def advantage_reward_scale(success_probability: float, group_size: int, advantage: str = "grpo") -> float:
+def advantage_reward_scale(
+    success_probability: float, group_size: int, advantage: str = "grpo"
+) -> float:
     """Delta_G(p) = E[A | r = 1] - E[A | r = 0] of ``loss.compute_advantages``, binary rewards.
 
     The other G - 1 rewards of the group are Bernoulli(p); with them independent of the sample,
@@ -175,14 +197,18 @@ def advantage_reward_scale(success_probability: float, group_size: int, advantag
     scale = 0.0
     for reward, sign in ((1.0, 1.0), (0.0, -1.0)):
         for successes in range(group_size):
-            group = torch.tensor([reward] + [1.0] * successes + [0.0] * (group_size - 1 - successes))
+            group = torch.tensor(
+                [reward] + [1.0] * successes + [0.0] * (group_size - 1 - successes)
+            )
             weight = math.comb(group_size - 1, successes) * success_probability**successes
             weight *= (1.0 - success_probability) ** (group_size - 1 - successes)
             scale += sign * weight * loss.compute_advantages(group, group_size, advantage)[0].item()
     return scale
 
 
-def finite_difference_jacobian(gradient_fn, theta: torch.Tensor, gradient: torch.Tensor, step: float):
+def finite_difference_jacobian(
+    gradient_fn, theta: torch.Tensor, gradient: torch.Tensor, step: float
+):
     """dg/dtheta by forward differences from g(theta) = ``gradient``. [P, P]"""
     columns = []
     for i in range(len(theta)):
@@ -232,9 +258,13 @@ def find_fixed_point(
         if gradient.abs().max() < stop_tolerance:
             break
         if jacobian is None:
-            jacobian = finite_difference_jacobian(gradient_fn, theta, gradient, finite_difference_step)
+            jacobian = finite_difference_jacobian(
+                gradient_fn, theta, gradient, finite_difference_step
+            )
             fresh = True
-        step = torch.linalg.lstsq(jacobian, -gradient[:, None], rcond=1e-9, driver="gelsd").solution[:, 0]
+        step = torch.linalg.lstsq(
+            jacobian, -gradient[:, None], rcond=1e-9, driver="gelsd"
+        ).solution[:, 0]
         step = step * min(1.0, max_step / step.abs().max().item())
         candidate = theta + step
         candidate_gradient = gradient_fn(candidate)
@@ -266,5 +296,7 @@ def per_position_solution(problem, theta: torch.Tensor, beta: float, form: str) 
         if form == "reverse":
             parts.append(torch.softmax(log_anchor[node] + q_values[node] / beta, dim=0))
         else:
-            parts.append(exact.eq27_forward_kl_solution(log_anchor[node].exp(), q_values[node], beta))
+            parts.append(
+                exact.eq27_forward_kl_solution(log_anchor[node].exp(), q_values[node], beta)
+            )
     return torch.cat(parts)

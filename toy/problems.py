@@ -17,7 +17,8 @@ from toy.exact import DTYPE, TokenTree
 
 @dataclass(frozen=True)
 class Problem:
-    """One prompt: its completions, pi_ref, r(y) and a guide q_t(s, a) >= 0 on every (node, child)."""
+    """One prompt: its completions, pi_ref, r(y) and a guide q_t(s, a) >= 0 on every (node,
+    child)."""
 
     tree: TokenTree
     ref_theta: torch.Tensor  # [P] logits of pi_ref at every node
@@ -31,7 +32,8 @@ class Problem:
 
     @property
     def log_q(self) -> torch.Tensor:
-        """[B, T] log q_t (Eq. 7's factors), 0 on padding -- what ``guides.compute_log_q`` returns."""
+        """[B, T] log q_t (Eq. 7's factors), 0 on padding -- what ``guides.compute_log_q``
+        returns."""
         return self.tree.per_token(self.log_q_param)
 
     @property
@@ -103,7 +105,8 @@ TWO_TOKEN_Q_PER_POSITION = {(): 1.3, (0,): 0.7, (1,): 1.4, (2,): 0.9}
 
 
 def two_token_tree(guide: str = "token") -> Problem:
-    """Three tokens at each of two positions (9 completions, 4 correct); guide: token | position | none."""
+    """Three tokens at each of two positions (9 completions, 4 correct); the guide is
+    token | position | none."""
     tree = TokenTree([(a, b) for a in range(3) for b in range(3)])
     rewards = tensor([1.0 if y in TWO_TOKEN_CORRECT else 0.0 for y in tree.completions])
     if guide == "token":
@@ -120,7 +123,9 @@ def two_token_tree(guide: str = "token") -> Problem:
 def unequal_lengths_tree() -> Problem:
     """Completions of lengths 1 and 2 (a short answer beside longer ones), token-level q."""
     tree = TokenTree([(0, 0), (0, 1), (1,), (2, 0), (2, 1)])
-    ref_theta = tree.theta_from_node_probs({(): [0.4, 0.35, 0.25], (0,): [0.7, 0.3], (2,): [0.5, 0.5]})
+    ref_theta = tree.theta_from_node_probs(
+        {(): [0.4, 0.35, 0.25], (0,): [0.7, 0.3], (2,): [0.5, 0.5]}
+    )
     rewards = tensor([0.0, 1.0, 1.0, 0.0, 1.0])
     q = per_node_values(tree, {(): [1.1, 0.8, 1.3], (0,): [1.2, 0.9], (2,): [0.7, 1.4]})
     return Problem(tree, ref_theta, rewards, q.log())
@@ -144,7 +149,11 @@ def appendix_c_tree() -> Problem:
     branches = APPENDIX_C_BRANCHES
     tree = TokenTree([(0, 0), (0, 1)] + [(1, k) for k in range(branches)])
     ref_theta = tree.theta_from_node_probs(
-        {(): [0.9, 0.1], (0,): [0.97, 0.03], (1,): [0.08] + [0.92 / (branches - 1)] * (branches - 1)}
+        {
+            (): [0.9, 0.1],
+            (0,): [0.97, 0.03],
+            (1,): [0.08] + [0.92 / (branches - 1)] * (branches - 1),
+        }
     )
     rewards = tensor([1.0 if y in {(0, 0), (1, 0)} else 0.0 for y in tree.completions])
     return Problem(tree, ref_theta, rewards, torch.zeros(tree.num_params, dtype=DTYPE))

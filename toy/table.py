@@ -22,7 +22,8 @@ Definitions, so the numbers mean one thing:
 * The guide is self-consistent: the trainer recomputes q from the current policy's entropies at
   every step and holds it fixed inside the step, so at its fixed point theta*, q = q(theta*) and
   the gradient with that q held fixed is 0. Here q(theta) is Eq. 11 on the node entropies (Eq. 12)
-  of pi_theta, in float64, with guides.GuideConfig's defaults (tau 1.2, ratio 0.3, clamp [0.6, 1.4]).
+  of pi_theta, in float64, with guides.GuideConfig's defaults (tau 1.2, ratio 0.3, clamp
+  [0.6, 1.4]).
 * The solver is backward induction (``toy.backward``): every node's stationarity condition,
   derived by hand and solved in float64 from the leaves up -- Eq. 4 at one position for k2 and
   ratio_k3, the forward form of Eq. 27 for k3, a per-node root find in lambda for the forward
@@ -47,38 +48,72 @@ import torch
 import guides
 from toy import backward, exact, problems
 from toy.exact import DTYPE
-from toy.fixed_points import advantage_reward_scale, finite_difference_jacobian, group_gradient, on_policy_gradient
+from toy.fixed_points import (
+    advantage_reward_scale,
+    finite_difference_jacobian,
+    group_gradient,
+    on_policy_gradient,
+)
 
 BETA, DELTA = 0.05, 0.01
 ESTIMATORS = ("k1_return", "k2", "k3", "ratio_k3", "forward")
 GUIDES = ("none", "fixed", "self")
-PER_TOKEN = ("k2", "k3", "ratio_k3", "forward")  # the estimators whose point a group's advantage moves
+PER_TOKEN = (
+    "k2",
+    "k3",
+    "ratio_k3",
+    "forward",
+)  # the estimators whose point a group's advantage moves
 GROUP_SIZE = 8  # rollouts per prompt (the paper's G)
 BRANCH = guides.GuideConfig(name="branch")  # Eq. 11 with the paper's defaults
-Q_GRID = torch.linspace(1.0, BRANCH.q_max, 9, dtype=DTYPE)  # every q Eq. 11 can give (>= 1, clamped)
+Q_GRID = torch.linspace(
+    1.0, BRANCH.q_max, 9, dtype=DTYPE
+)  # every q Eq. 11 can give (>= 1, clamped)
 
 
 def guide_log_q_param(problem: problems.Problem, theta: torch.Tensor, guide: str) -> torch.Tensor:
-    """log q per (node, child) [P] of a guide: "none", "fixed" (Eq. 11 on pi_ref's entropies, the q of
-    the first update and of Theorem 4.3) or "self" (Eq. 11 on pi_theta's own entropies, recomputed)."""
+    """log q per (node, child) [P] of a guide: "none", "fixed" (Eq. 11 on pi_ref's entropies, the
+    q of the first update and of Theorem 4.3) or "self" (Eq. 11 on pi_theta's own entropies,
+    recomputed)."""
     if guide == "none":
         return torch.zeros(problem.tree.num_params, dtype=DTYPE)
-    return backward.branch_log_q_param(problem.tree, problem.ref_theta if guide == "fixed" else theta, BRANCH)
+    return backward.branch_log_q_param(
+        problem.tree, problem.ref_theta if guide == "fixed" else theta, BRANCH
+    )
 
 
-def expected_gradient(problem: problems.Problem, theta: torch.Tensor, estimator: str, guide: str,
-                      beta: float = BETA, log_q_param: torch.Tensor | None = None) -> torch.Tensor:
+def expected_gradient(
+    problem: problems.Problem,
+    theta: torch.Tensor,
+    estimator: str,
+    guide: str,
+    beta: float = BETA,
+    log_q_param: torch.Tensor | None = None,
+) -> torch.Tensor:
     """loss.py's exact expected gradient at theta, the guide's q computed at theta (or given as
     ``log_q_param``) and held fixed. [P]"""
     if log_q_param is None:
         log_q_param = guide_log_q_param(problem, theta, guide)
     kl, kl_estimator = ("forward", "k3") if estimator == "forward" else ("reverse", estimator)
-    return on_policy_gradient(problem.tree, theta, problem.rewards, problem.ref_logps,
-                              problem.tree.per_token(log_q_param), beta=beta, kl=kl, kl_estimator=kl_estimator)
+    return on_policy_gradient(
+        problem.tree,
+        theta,
+        problem.rewards,
+        problem.ref_logps,
+        problem.tree.per_token(log_q_param),
+        beta=beta,
+        kl=kl,
+        kl_estimator=kl_estimator,
+    )
 
 
-def node_residual(problem: problems.Problem, theta: torch.Tensor, estimator: str, guide: str,
-                  log_q_param: torch.Tensor | None = None) -> torch.Tensor:
+def node_residual(
+    problem: problems.Problem,
+    theta: torch.Tensor,
+    estimator: str,
+    guide: str,
+    log_q_param: torch.Tensor | None = None,
+) -> torch.Tensor:
     """loss.py's expected gradient divided, entry by entry, by rho(s) pi(a|s), the probability of
     reaching node s and taking a there. [P]
 
@@ -101,29 +136,51 @@ def visit_probabilities(tree: exact.TokenTree, theta: torch.Tensor) -> torch.Ten
     return (log_reach[tree.node_of_param] + log_probs).exp()
 
 
-def group_residual(problem: problems.Problem, theta: torch.Tensor, estimator: str, guide: str, advantage: str,
-                   group_size: int, beta: float = BETA) -> torch.Tensor:
+def group_residual(
+    problem: problems.Problem,
+    theta: torch.Tensor,
+    estimator: str,
+    guide: str,
+    advantage: str,
+    group_size: int,
+    beta: float = BETA,
+) -> torch.Tensor:
     """``node_residual`` of loss.py's exact expected gradient with a group's advantage
     (``fixed_points.group_gradient``: every group of ``group_size`` completions enumerated). [P]"""
     kl, kl_estimator = ("forward", "k3") if estimator == "forward" else ("reverse", estimator)
     log_q = problem.tree.per_token(guide_log_q_param(problem, theta, guide))
-    gradient = group_gradient(problem.tree, theta, problem.rewards, problem.ref_logps, log_q, group_size, advantage,
-                              beta=beta, kl=kl, kl_estimator=kl_estimator)
+    gradient = group_gradient(
+        problem.tree,
+        theta,
+        problem.rewards,
+        problem.ref_logps,
+        log_q,
+        group_size,
+        advantage,
+        beta=beta,
+        kl=kl,
+        kl_estimator=kl_estimator,
+    )
     return gradient / visit_probabilities(problem.tree, theta)
 
 
-def solve(problem: problems.Problem, estimator: str, guide: str, beta: float = BETA) -> torch.Tensor:
+def solve(
+    problem: problems.Problem, estimator: str, guide: str, beta: float = BETA
+) -> torch.Tensor:
     """The estimator's fixed point [P] by backward induction (``toy.backward``), with the guide's q
     fixed (none, pi_ref's) or self-consistent (q of the point's own entropies)."""
     tree, ref, rewards = problem.tree, problem.ref_theta, problem.rewards
     if guide == "self":
         theta, _ = backward.self_consistent_fixed_point(tree, ref, rewards, estimator, beta, BRANCH)
         return theta
-    return backward.fixed_point(tree, ref, rewards, guide_log_q_param(problem, ref, guide), estimator, beta)
+    return backward.fixed_point(
+        tree, ref, rewards, guide_log_q_param(problem, ref, guide), estimator, beta
+    )
 
 
-def rough_start(problem: problems.Problem, estimator: str, guide: str, beta: float = BETA,
-                sweeps: int = 3) -> torch.Tensor:
+def rough_start(
+    problem: problems.Problem, estimator: str, guide: str, beta: float = BETA, sweeps: int = 3
+) -> torch.Tensor:
     """A start for Newton that is not the answer: a few sweeps of per-node forms over all nodes at
     once, Q(s, a) the reward to go under the previous sweep, k1 in the return and the forward
     baseline given the wrong forms (k2's, k3's). [P]"""
@@ -131,21 +188,34 @@ def rough_start(problem: problems.Problem, estimator: str, guide: str, beta: flo
     theta = problem.ref_theta.clone()
     form = "k3" if estimator in ("k3", "forward") else "k2"
     for _ in range(sweeps):
-        anchors = (tree.param_log_probs(problem.ref_theta) + guide_log_q_param(problem, theta, guide)).exp()
+        anchors = (
+            tree.param_log_probs(problem.ref_theta) + guide_log_q_param(problem, theta, guide)
+        ).exp()
         q_values = tree.action_values(theta, problem.rewards)
-        theta = torch.cat([backward.node_solution(anchors[o : o + len(c)], q_values[o : o + len(c)], beta, form).log()
-                           for o, c in zip(tree.offsets, tree.children)])
+        theta = torch.cat(
+            [
+                backward.node_solution(
+                    anchors[o : o + len(c)], q_values[o : o + len(c)], beta, form
+                ).log()
+                for o, c in zip(tree.offsets, tree.children)
+            ]
+        )
     return theta
 
 
-def newton(gradient_fn, theta: torch.Tensor, tolerance: float = 1e-12, max_steps: int = 40) -> tuple[torch.Tensor, float]:
-    """Newton's method on g(theta) = 0 from a nearby start, with step halving. Returns (theta, |g|_inf)."""
+def newton(
+    gradient_fn, theta: torch.Tensor, tolerance: float = 1e-12, max_steps: int = 40
+) -> tuple[torch.Tensor, float]:
+    """Newton's method on g(theta) = 0 from a nearby start, with step halving. Returns
+    (theta, |g|_inf)."""
     gradient = gradient_fn(theta)
     for _ in range(max_steps):
         if gradient.abs().max() <= tolerance:
             break
         jacobian = finite_difference_jacobian(gradient_fn, theta, gradient, 1e-7)
-        step = torch.linalg.lstsq(jacobian, -gradient[:, None], rcond=1e-10, driver="gelsd").solution[:, 0]
+        step = torch.linalg.lstsq(
+            jacobian, -gradient[:, None], rcond=1e-10, driver="gelsd"
+        ).solution[:, 0]
         for _ in range(30):
             candidate = theta + step
             candidate_gradient = gradient_fn(candidate)
@@ -165,7 +235,9 @@ def newton_point(problem: problems.Problem, estimator: str, guide: str) -> torch
     return theta
 
 
-def slowest_rate(problem: problems.Problem, theta: torch.Tensor, estimator: str, guide: str) -> float:
+def slowest_rate(
+    problem: problems.Problem, theta: torch.Tensor, estimator: str, guide: str
+) -> float:
     """The smallest real part of the eigenvalues of d(node_residual)/d theta at a fixed point theta,
     leaving out one eigenvalue per node (a node's logits all shifted: no change). Positive: the
     point attracts gradient descent.
@@ -184,18 +256,21 @@ def slowest_rate(problem: problems.Problem, theta: torch.Tensor, estimator: str,
 
     jacobian = finite_difference_jacobian(residual, theta, residual(theta), 1e-6)
     real_parts = torch.linalg.eigvals(jacobian).real.sort().values
-    return real_parts[len(problem.tree.nodes):].min().item()
+    return real_parts[len(problem.tree.nodes) :].min().item()
 
 
 def branch_entropy_over_q(problem: problems.Problem, estimator: str) -> torch.Tensor:
-    """H (Eq. 12) at y2's branching node of the fixed point whose guide puts q there, for every q of
-    Q_GRID (1 elsewhere: the other nodes have two children, H <= ln 2 < tau, so Eq. 11 gives 1). [9]"""
+    """H (Eq. 12) at y2's branching node of the fixed point whose guide puts q there, for every q
+    of Q_GRID (1 elsewhere: the other nodes have two children, H <= ln 2 < tau, so Eq. 11 gives 1).
+    [9]"""
     tree = problem.tree
     branch = tree.node_id[(1,)]
     entropies = []
     for q in Q_GRID:
         log_q = torch.where(tree.node_of_param == branch, q.log(), torch.zeros((), dtype=DTYPE))
-        theta = backward.fixed_point(tree, problem.ref_theta, problem.rewards, log_q, estimator, BETA)
+        theta = backward.fixed_point(
+            tree, problem.ref_theta, problem.rewards, log_q, estimator, BETA
+        )
         entropies.append(tree.node_entropies(theta)[branch])
     return torch.stack(entropies)
 
@@ -217,19 +292,29 @@ def success_rate(problem: problems.Problem, theta: torch.Tensor) -> float:
     return (problem.tree.sequence_logps(theta).exp() * problem.rewards).sum().item()
 
 
-def advantage_point(problem: problems.Problem, estimator: str, guide: str, advantage: str,
-                    group_size: int = GROUP_SIZE, iterations: int = 50) -> tuple[float, torch.Tensor]:
+def advantage_point(
+    problem: problems.Problem,
+    estimator: str,
+    guide: str,
+    advantage: str,
+    group_size: int = GROUP_SIZE,
+    iterations: int = 50,
+) -> tuple[float, torch.Tensor]:
     """A per-token estimator's fixed point under a group's advantage: the table's point at
     beta' = BETA / Delta_G(p), p the success rate at that point itself (iterated; Dr. GRPO's
     Delta does not depend on p). Returns (beta', theta [P])."""
     beta = BETA
     for _ in range(iterations):
         theta = solve(problem, estimator, guide, beta)
-        new_beta = BETA / advantage_reward_scale(success_rate(problem, theta), group_size, advantage)
+        new_beta = BETA / advantage_reward_scale(
+            success_rate(problem, theta), group_size, advantage
+        )
         if abs(new_beta - beta) <= 1e-13:  # each pass shrinks the change ~400-fold here
             return beta, theta
         beta = new_beta
-    raise ValueError(f"beta / Delta_G(p) did not settle for {estimator!r} with the {advantage} advantage")
+    raise ValueError(
+        f"beta / Delta_G(p) did not settle for {estimator!r} with the {advantage} advantage"
+    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -242,8 +327,13 @@ def advantage_table() -> dict:
     for advantage in ("dr_grpo", "grpo"):
         result[advantage] = {}
         for estimator in PER_TOKEN:
-            points = {guide: advantage_point(problem, estimator, guide, advantage) for guide in ("none", "fixed")}
-            result[advantage][estimator] = {g: (beta, pi_y2_of(problem, t)) for g, (beta, t) in points.items()}
+            points = {
+                guide: advantage_point(problem, estimator, guide, advantage)
+                for guide in ("none", "fixed")
+            }
+            result[advantage][estimator] = {
+                g: (beta, pi_y2_of(problem, t)) for g, (beta, t) in points.items()
+            }
     return result
 
 
@@ -255,8 +345,13 @@ def estimator_table() -> tuple[Row, ...]:
     problem, rows = problems.appendix_c_tree(), []
     for estimator in ESTIMATORS:
         thetas = {guide: solve(problem, estimator, guide) for guide in GUIDES}
-        norms = {g: expected_gradient(problem, t, estimator, g).abs().max().item() for g, t in thetas.items()}
-        rows.append(Row(estimator, {g: pi_y2_of(problem, t) for g, t in thetas.items()}, norms, thetas))
+        norms = {
+            g: expected_gradient(problem, t, estimator, g).abs().max().item()
+            for g, t in thetas.items()
+        }
+        rows.append(
+            Row(estimator, {g: pi_y2_of(problem, t) for g, t in thetas.items()}, norms, thetas)
+        )
     return tuple(rows)
 
 
@@ -281,7 +376,10 @@ def node_probs_of(tree: exact.TokenTree, pi: torch.Tensor) -> dict[tuple, list[f
     """The next-token probabilities of a sequence distribution, node by node."""
     probs = {}
     for s, children in zip(tree.nodes, tree.children):
-        mass = [sum(p.item() for y, p in zip(tree.completions, pi) if y[: len(s) + 1] == s + (a,)) for a in children]
+        mass = [
+            sum(p.item() for y, p in zip(tree.completions, pi) if y[: len(s) + 1] == s + (a,))
+            for a in children
+        ]
         total = sum(mass)
         probs[s] = [m / total for m in mass]
     return probs
@@ -292,11 +390,18 @@ def format_table(rows) -> str:
     problem = problems.appendix_c_tree()
     exact_row = exact_objective_pi_y2()
     branch = problem.tree.node_id[(1,)]
-    fixed_q = guide_log_q_param(problem, problem.ref_theta, "fixed").exp()[problem.tree.node_of_param == branch][0]
-    lines = [f"App. C tree, beta = {BETA}, delta = {DELTA}: pi(y2) where loss.py's expected gradient vanishes",
-             f"guides: none | branch, q fixed at pi_ref's entropies (Theorem 4.3's q; {fixed_q:.4f} at y2's "
-             "branching node) | branch recomputed from the policy (self-consistent)",
-             f"{'estimator':<13}{'none':>9}{'fixed q':>9}{'self q':>9}   {'|g| at each point':<27}in supp_delta"]
+    fixed_q = guide_log_q_param(problem, problem.ref_theta, "fixed").exp()[
+        problem.tree.node_of_param == branch
+    ][0]
+    lines = [
+        f"App. C tree, beta = {BETA}, delta = {DELTA}: "
+        "pi(y2) where loss.py's expected gradient vanishes",
+        "guides: none | branch, q fixed at pi_ref's entropies "
+        f"(Theorem 4.3's q; {fixed_q:.4f} at y2's "
+        "branching node) | branch recomputed from the policy (self-consistent)",
+        f"{'estimator':<13}{'none':>9}{'fixed q':>9}{'self q':>9}   "
+        f"{'|g| at each point':<27}in supp_delta",
+    ]
     for row in rows:
         values = "".join(f"{row.pi_y2[g]:>9.5f}" for g in GUIDES)
         norms = " ".join(f"{row.gradient[g]:.0e}" for g in GUIDES)
@@ -305,9 +410,16 @@ def format_table(rows) -> str:
     values = "".join(f"{exact_row[g]:>9.5f}" for g in GUIDES)
     inside = " / ".join("yes" if exact_row[g] >= DELTA else "no" for g in GUIDES)
     lines.append(f"{'Eq. 2 / 4':<13}{values}   {'(closed forms)':<27}{inside}")
-    entropies = ", ".join(f"{row.estimator} {problem.tree.node_entropies(row.theta['self'])[branch]:.3f}"
-                          for row in rows)
-    lines.append(f"self q: entropy of y2's branching node at each point ({entropies}) < tau = {BRANCH.tau}, so q = 1")
-    lines.append("solver: backward induction over the tree (per-node conditions, float64); |g|: infinity norm of "
-                 "loss.py's exact expected gradient there")
+    entropies = ", ".join(
+        f"{row.estimator} {problem.tree.node_entropies(row.theta['self'])[branch]:.3f}"
+        for row in rows
+    )
+    lines.append(
+        f"self q: entropy of y2's branching node at each point ({entropies}) "
+        f"< tau = {BRANCH.tau}, so q = 1"
+    )
+    lines.append(
+        "solver: backward induction over the tree (per-node conditions, float64); "
+        "|g|: infinity norm of loss.py's exact expected gradient there"
+    )
     return "\n".join(lines)

@@ -18,9 +18,9 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Sequence
 
 from tqdm import tqdm
 
@@ -72,11 +72,11 @@ class GradingPool:
     returning a bool. Each worker gets a chunk of items and answers item by item; an item that
     runs past ``timeout_s`` gets its worker killed (SIGKILL: it works even inside C code), is
     graded wrong and counted in ``stats["timeouts"]``, and the rest of its chunk goes back in the
-    queue. Workers are fresh interpreters (``python -c "import grading_pool; ..."``) talking over
-    pipes, so none inherits the caller's threads, CUDA context or vLLM engine, and none re-imports
-    the caller's ``__main__`` (as multiprocessing's spawn and forkserver would). A worker starts in
-    about a second, which only a timeout costs again. Reuse one pool across calls (the trainer
-    grades every step); ``close()`` ends it.
+    queue. Workers are fresh interpreters (``python -c "from machinery import grading_pool;
+    ..."``) talking over pipes, so none inherits the caller's threads, CUDA context or vLLM
+    engine, and none re-imports the caller's ``__main__`` (as multiprocessing's spawn and
+    forkserver would). A worker starts in about a second, which only a timeout costs again. Reuse
+    one pool across calls (the trainer grades every step); ``close()`` ends it.
     """
 
     def __init__(
@@ -105,13 +105,16 @@ class GradingPool:
     def _start_worker(self) -> _Worker:
         to_worker_r, to_worker_w = os.pipe()
         from_worker_r, from_worker_w = os.pipe()
-        here = os.path.dirname(os.path.abspath(__file__))
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
         code = (
-            f"import sys; sys.path.insert(0, {here!r}); import grading_pool; "
-            f"grading_pool._worker_main({self.target!r}, {to_worker_r}, {from_worker_w}, {self.memory_limit!r})"
+            f"import sys; sys.path.insert(0, {here!r}); from machinery import grading_pool; "
+            f"grading_pool._worker_main({self.target!r}, {to_worker_r}, {from_worker_w}, "
+            f"{self.memory_limit!r})"
         )
         process = subprocess.Popen(
-            [sys.executable, "-c", code], pass_fds=(to_worker_r, from_worker_w), stdin=subprocess.DEVNULL
+            [sys.executable, "-c", code],
+            pass_fds=(to_worker_r, from_worker_w),
+            stdin=subprocess.DEVNULL,
         )
         os.close(to_worker_r)
         os.close(from_worker_w)
@@ -148,7 +151,9 @@ class GradingPool:
             queue = deque(items[i : i + size] for i in range(0, len(items), size))
             results: list[bool | None] = [None] * len(items)
             self.last_timeouts = []
-            with tqdm(total=len(items), desc="grading", unit="item", disable=not progress, leave=False) as bar:
+            with tqdm(
+                total=len(items), desc="grading", unit="item", disable=not progress, leave=False
+            ) as bar:
                 self._run(queue, items, results, bar)
             self.stats["graded"] += len(items)
         return [bool(r) for r in results]
@@ -197,7 +202,9 @@ class GradingPool:
                 dispatch(worker)
             waiting = [worker for worker in self._workers if worker.pending or not worker.ready]
             if not waiting:
-                raise RuntimeError(f"grading stalled with {remaining} items left and no worker busy")
+                raise RuntimeError(
+                    f"grading stalled with {remaining} items left and no worker busy"
+                )
             timeout = max(0.0, min(worker.deadline for worker in waiting) - time.monotonic())
             ready = wait([worker.conn for worker in waiting], timeout=timeout)
             for worker in waiting:
@@ -243,7 +250,7 @@ class GradingPool:
             self._workers.clear()
             self._closed = True
 
-    def __enter__(self) -> "GradingPool":
+    def __enter__(self) -> GradingPool:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -47,9 +47,12 @@ anchor act on whatever rollouts the batch holds, hinted or not, each on its own 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
+
+import torch
 
 HINT_SYSTEM_PROMPT = (
     "You are a tutor. Given a problem and its solution, write three hints that lead a student to "
@@ -70,8 +73,10 @@ def hint_request_messages(problem: str, solution: str) -> list[dict[str, str]]:
     >>> hint_request_messages("What is 7 + 5?", "7+5=12")[1]["content"]
     'Question:\\nWhat is 7 + 5?\\n\\nSolution:\\n7+5=12'
     """
-    return [{"role": "system", "content": HINT_SYSTEM_PROMPT},
-            {"role": "user", "content": f"Question:\n{problem}\n\nSolution:\n{solution}"}]
+    return [
+        {"role": "system", "content": HINT_SYSTEM_PROMPT},
+        {"role": "user", "content": f"Question:\n{problem}\n\nSolution:\n{solution}"},
+    ]
 
 
 # A hint's LaTeX is often written with single backslashes inside the JSON strings: "\sqrt" is then
@@ -96,24 +101,28 @@ def _json_loads(text: str):
 
 
 def _clean_level(value) -> str:
-    """A level's text: strings only (as the authors), LaTeX's backslashes back, cut at MAX_HINT_CHARS."""
+    """A level's text: strings only (as the authors), LaTeX's backslashes back, cut at
+    MAX_HINT_CHARS."""
     if not isinstance(value, str):
         return ""
-    text = _LATEX_CONTROL.sub(lambda m: {"\f": "\\f", "\b": "\\b", "\t": "\\t", "\r": "\\r"}[m.group()], value)
+    text = _LATEX_CONTROL.sub(
+        lambda m: {"\f": "\\f", "\b": "\\b", "\t": "\\t", "\r": "\\r"}[m.group()], value
+    )
     return text.strip()[:MAX_HINT_CHARS]
 
 
 def parse_hint_levels(reply: str) -> dict[str, str]:
-    """The hints of a reply (step 2), read like the authors' parser: the JSON object in a fenced block,
-    else from its first "{" to its last "}", after any "</think>"; a reply whose object does not
-    parse keeps every complete "level_k": "..." field; a reply with no such field is taken whole as
-    one level-1 hint; {} for an empty reply. Each hint is cut at MAX_HINT_CHARS.
+    """The hints of a reply (step 2), read like the authors' parser: the JSON object in a fenced
+    block, else from its first "{" to its last "}", after any "</think>"; a reply whose object
+    does not parse keeps every complete "level_k": "..." field; a reply with no such field is
+    taken whole as one level-1 hint; {} for an empty reply. Each hint is cut at MAX_HINT_CHARS.
 
-    >>> parse_hint_levels('Sure. ```json {"level_1": "Think of carries.", "level_2": "7+5 > 9"} ```')
+    >>> reply = 'Sure. ```json {"level_1": "Think of carries.", "level_2": "7+5 > 9"} ```'
+    >>> parse_hint_levels(reply)
     {'level_1': 'Think of carries.', 'level_2': '7+5 > 9'}
     >>> parse_hint_levels(r'{"level_1": "Use \\sqrt{x} and \\frac{1}{2}."}')["level_1"]
     'Use \\\\sqrt{x} and \\\\frac{1}{2}.'
-    >>> parse_hint_levels('{"level_1": "Halve it.", "level_2": "Then add')  # cut by the token budget
+    >>> parse_hint_levels('{"level_1": "Halve it.", "level_2": "Then add')  # cut by the budget
     {'level_1': 'Halve it.'}
     >>> parse_hint_levels("  add the units first ")
     {'level_1': 'add the units first'}
@@ -171,13 +180,16 @@ class HintStats:
     leaked: int = 0  # hints that state the answer (used all the same)
     missing_solution: int = 0  # rows without a reference solution: skipped
     hint_chars: list[int] = field(default_factory=list)
-    reward_without_hints: list[float] = field(default_factory=list)  # rewards of groups never hinted
+    reward_without_hints: list[float] = field(
+        default_factory=list
+    )  # rewards of groups never hinted
     reward_with_hints: list[float] = field(default_factory=list)  # rewards of hinted groups
 
     def record(self) -> dict[str, float]:
         """prompt usage rate = the fraction of sampled prompts whose group carried signal.
 
-        >>> HintStats(prompts=4, prompts_with_signal=3, groups_hinted=1).record()["hints/prompt_usage_rate"]
+        >>> stats = HintStats(prompts=4, prompts_with_signal=3, groups_hinted=1)
+        >>> stats.record()["hints/prompt_usage_rate"]
         0.75
         """
         record = {
@@ -188,8 +200,123 @@ class HintStats:
             "hints/leaked": self.leaked,
             "hints/missing_solution": self.missing_solution,
         }
-        for key, values in (("mean_hint_chars", self.hint_chars), ("reward_without_hints", self.reward_without_hints),
-                            ("reward_with_hints", self.reward_with_hints)):
+        for key, values in (
+            ("mean_hint_chars", self.hint_chars),
+            ("reward_without_hints", self.reward_without_hints),
+            ("reward_with_hints", self.reward_with_hints),
+        ):
             if values:  # a mean of nothing is left out rather than logged as NaN
                 record[f"hints/{key}"] = sum(values) / len(values)
         return record
+
+
+@dataclass
+class HintsConfig:
+    """Self-hints (arXiv 2602.03143) for all-wrong groups."""
+
+    self_hints: bool = False
+    """Self-hints (extras/hints.py): all-wrong groups get a policy-written hint from the
+    reference solution and are sampled again."""
+    solution_key: str = ""
+    """Field of the training data with the reference solution that self-hints are written from."""
+
+
+def replace_groups(rollouts, groups: list[int], other, group_size: int):
+    """``rollouts`` (a ``sage.Rollouts``) with its groups ``groups`` taken from ``other``, whose
+    groups follow that list."""
+    source = {g: i for i, g in enumerate(groups)}
+    rows = [
+        (other, source[r // group_size] * group_size + r % group_size)
+        if r // group_size in source
+        else (rollouts, r)
+        for r in range(len(rollouts.texts))
+    ]
+    fields = dataclasses.fields(rollouts)
+    return type(rollouts)(*([getattr(part, f.name)[row] for part, row in rows] for f in fields))
+
+
+def self_hint(engine, rollouts, rewards, chosen: list[dict], config, step: int, reward_function):
+    """The policy writes hints for the all-wrong groups from their reference solutions; levels
+    1, 2, 3 in turn, each still-unsolved group is sampled again on prompt + hint, graded against
+    its original answer, and replaces its unhinted group. Returns (rollouts, rewards, hints/*
+    metrics)."""
+    import rollout
+    import sage
+    from machinery.task import build_prompt_ids, chat_ids
+
+    stats, group_size, tokenizer = HintStats(), config.rollouts, engine.tokenizer
+    unsolved = [g for g, group in enumerate(rewards.view(-1, group_size)) if group.max() <= 0]
+    asking = [g for g in unsolved if chosen[g].get("solution")]
+    stats.groups_needing_hint, stats.missing_solution = len(unsolved), len(unsolved) - len(asking)
+    requests = {
+        g: chat_ids(tokenizer, hint_request_messages(chosen[g]["problem"], chosen[g]["solution"]))
+        for g in asking
+    }
+    requests = {g: ids for g, ids in requests.items() if len(ids) <= config.max_prompt_len}
+    kept_hint = {}  # group -> the hint its final rollouts were sampled with
+    if requests:
+        writing = rollout.SamplingConfig(
+            n=1,
+            temperature=config.eval.eval_temperature,
+            top_p=config.eval.eval_top_p,
+            min_p=config.min_p,
+            max_tokens=config.max_seq_len - config.max_prompt_len,
+            seed=rollout.rollout_seed(config.seed, step, 1000),
+        )
+        replies = engine.generate(list(requests.values()), writing)
+        levels = {g: parse_hint_levels(group[0].text) for g, group in zip(requests, replies)}
+        for number, level in enumerate(LEVELS, start=1):
+            targets = [
+                g
+                for g in requests
+                if level in levels[g] and rewards.view(-1, group_size)[g].max() <= 0
+            ]
+            hinted = {
+                g: {
+                    **chosen[g],
+                    "prompt_ids": build_prompt_ids(
+                        tokenizer, hinted_problem(chosen[g]["problem"], levels[g][level])
+                    ),
+                }
+                for g in targets
+            }
+            targets = [g for g in targets if len(hinted[g]["prompt_ids"]) <= config.max_prompt_len]
+            if not targets:
+                continue
+            again = sage.generate_rollouts(
+                engine,
+                [hinted[g] for g in targets],
+                config,
+                rollout.rollout_seed(config.seed, step, 1000 + number),
+            )
+            again_rewards = sage.compute_rewards(
+                again, reward_function, config
+            )  # against the original answer
+            rollouts = replace_groups(rollouts, targets, again, group_size)
+            rows = torch.tensor([g * group_size + i for g in targets for i in range(group_size)])
+            rewards = rewards.clone().index_put_((rows,), again_rewards)
+            kept_hint.update({g: levels[g][level] for g in targets})
+    groups = rewards.view(-1, group_size)  # [prompts, G], the final rewards
+    stats.prompts = len(groups)
+    stats.prompts_with_signal = int(
+        ((groups.max(dim=1).values - groups.min(dim=1).values) > 0).sum()
+    )
+    if requests:
+        record_outcome(stats, kept_hint, groups, chosen)
+    return rollouts, rewards, stats.record()
+
+
+def record_outcome(
+    stats: HintStats, kept_hint: dict, groups: torch.Tensor, chosen: list[dict]
+) -> None:
+    """Fill ``stats`` with what the step's hinting did; ``groups`` [prompts, G] are the final
+    rewards."""
+    hinted_groups = sorted(kept_hint)  # resampled on a hint (a hint too long at every level is not)
+    stats.groups_hinted = len(hinted_groups)
+    stats.hint_chars += [len(kept_hint[g]) for g in hinted_groups]
+    stats.leaked += sum(leaks_answer(kept_hint[g], chosen[g]["answer"]) for g in hinted_groups)
+    stats.groups_solved_by_hint = sum(int(groups[g].max() > 0) for g in hinted_groups)
+    stats.reward_with_hints = groups[hinted_groups].flatten().tolist()
+    stats.reward_without_hints = (
+        groups[[g for g in range(len(groups)) if g not in hinted_groups]].flatten().tolist()
+    )

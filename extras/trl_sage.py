@@ -1,7 +1,9 @@
 """SAGE on TRL's GRPOTrainer: the same guides and the same loss, on an engine that scales out.
 
-    python trl_sage.py --model Qwen/Qwen2.5-Math-7B --guide branch                  # one process
-    accelerate launch --multi_gpu --num_processes 8 trl_sage.py --model ... --use-vllm   # README "Scaling out"
+    python -m extras.trl_sage --model Qwen/Qwen2.5-Math-7B --guide branch    # one process
+    accelerate launch --multi_gpu --num_processes 8 -m extras.trl_sage --model ... --use-vllm
+
+Launching on several GPUs and nodes: docs/scaling-out.md.
 
 sage.py is the tutorial and the single-GPU run, one process. Past one GPU (8 GPUs on a node,
 several nodes), this module runs SAGE on TRL's ``GRPOTrainer`` under ``accelerate`` (DDP,
@@ -23,7 +25,7 @@ overridden), so the loss sees the same log-probs TRL uses for its old and refere
 test fails, naming the pinned ``TRL_VERSION``, when its signature changes. Metrics are gathered
 over processes and merged into TRL's logs through the public ``log`` hook.
 
-What differs from sage.py (README, "Scaling out"): the sampler's min-p is not replayed in TRL's
+What differs from sage.py (docs/scaling-out.md): the sampler's min-p is not replayed in TRL's
 log-probs (with min-p > 0 the update is slightly off-policy); advantages are TRL's (grpo and
 dr_grpo: no RLOO, no Beta-normalized BNPO); DAPO's dynamic sampling is not available; the prompt
 order is TRL's sampler's; the warmup is transformers' linear schedule (learning rate 0 at step 0).
@@ -33,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import inspect
 import math
 import os
 import sys
@@ -46,14 +47,13 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 from trl import GRPOConfig, GRPOTrainer
 
-import cli
 import guides
 import loss
-import runs
 import sage
-from data import DataError, load_rows, training_problems
-from models import LORA_TARGETS, attention_implementation
-from task import SYSTEM_PROMPT, RewardError, build_prompt_ids, load_reward_function
+from machinery import cli, runs
+from machinery.data import DataError, load_rows, training_problems
+from machinery.models import LORA_TARGETS, attention_implementation
+from machinery.task import SYSTEM_PROMPT, RewardError, build_prompt_ids, load_reward_function
 
 TRL_VERSION = "1.16.0"
 """The TRL release this module is written and tested against (one private method, see above)."""
@@ -63,8 +63,18 @@ AGGREGATIONS = {trl_name: ours for ours, trl_name in LOSS_TYPES.items()}
 # Our advantages -> TRL's scale_rewards (group std = GRPO, none = Dr. GRPO).
 SCALE_REWARDS = {"grpo": "group", "dr_grpo": "none"}
 # Inputs of a vision-language batch: this integration is text-only.
-MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
-                   "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 
 # --------------------------------------------------------------------------------------------
 # 1. The trainer: TRL's, with SAGE's anchor
@@ -73,7 +83,7 @@ MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attent
 
 @dataclass(frozen=True)
 class SageSettings:
-    """What SAGE adds to a GRPOConfig; beta, the clip range, the loss type and sampling stay TRL's."""
+    """What SAGE adds to a GRPOConfig; beta, clip range, loss type and sampling stay TRL's."""
 
     guide: guides.GuideConfig = guides.GuideConfig()
     """The guide q (guides.py): none | random | token | branch, and their parameters."""
@@ -87,19 +97,38 @@ def unsupported(args: GRPOConfig, settings: SageSettings) -> list[str]:
     """One line per GRPOConfig / SageSettings combination this integration does not run."""
     problems = []
     if args.loss_type not in AGGREGATIONS:
-        problems.append(f"loss_type={args.loss_type!r} is not supported: use one of {', '.join(AGGREGATIONS)}")
+        problems.append(
+            f"loss_type={args.loss_type!r} is not supported: use one of {', '.join(AGGREGATIONS)}"
+        )
     if args.importance_sampling_level != "token":
-        problems.append("importance_sampling_level='sequence' (GSPO) is not supported: loss.policy_loss is per token")
-    for name, default in (("top_entropy_quantile", 1.0), ("off_policy_mask_threshold", None), ("delta", None),
-                          ("entropy_coef", 0.0), ("use_adaptive_entropy", False)):
+        problems.append(
+            "importance_sampling_level='sequence' (GSPO) is not supported: "
+            "loss.policy_loss is per token"
+        )
+    for name, default in (
+        ("top_entropy_quantile", 1.0),
+        ("off_policy_mask_threshold", None),
+        ("delta", None),
+        ("entropy_coef", 0.0),
+        ("use_adaptive_entropy", False),
+    ):
         if getattr(args, name, default) != default:
-            problems.append(f"{name}={getattr(args, name)!r} is not supported by the SAGE loss; leave it at {default!r}")
+            problems.append(
+                f"{name}={getattr(args, name)!r} is not supported by the SAGE loss; "
+                f"leave it at {default!r}"
+            )
     if settings.kl not in loss.KL_MODES:
         problems.append(f"unknown kl {settings.kl!r}: choose one of {', '.join(loss.KL_MODES)}")
     if settings.kl_estimator not in loss.KL_ESTIMATORS:
-        problems.append(f"unknown kl estimator {settings.kl_estimator!r}: choose one of {', '.join(loss.KL_ESTIMATORS)}")
+        problems.append(
+            f"unknown kl estimator {settings.kl_estimator!r}: "
+            f"choose one of {', '.join(loss.KL_ESTIMATORS)}"
+        )
     if settings.guide.name != "none" and (settings.kl == "none" or args.beta == 0):
-        problems.append(f"guide {settings.guide.name!r} acts only through the KL anchor: use kl='reverse' with beta > 0")
+        problems.append(
+            f"guide {settings.guide.name!r} acts only through the KL anchor: "
+            "use kl='reverse' with beta > 0"
+        )
     if settings.kl_estimator == "k1_return" and settings.kl == "forward":
         problems.append("kl_estimator='k1_return' is the reverse KL's: use kl='reverse'")
     return problems
@@ -122,11 +151,18 @@ class SageGRPOTrainer(GRPOTrainer):
 
     Arguments are GRPOTrainer's, plus ``sage`` (SageSettings). From the GRPOConfig it reads beta,
     epsilon / epsilon_high, loss_type (-> aggregation) and the vLLM importance-sampling ratio
-    (-> policy_loss's importance_weights); TRL's scale_rewards is the advantage.
+    (-> loss.HeldFixed's importance_weights); TRL's scale_rewards is the advantage.
     """
 
-    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, *, sage: SageSettings | None = None,
-                 **kwargs):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: GRPOConfig | None = None,
+        *,
+        sage: SageSettings | None = None,
+        **kwargs,
+    ):
         self.sage = sage or SageSettings()
         args = args or GRPOConfig(output_dir="trl_sage_output")
         problems = unsupported(args, self.sage)
@@ -135,8 +171,10 @@ class SageGRPOTrainer(GRPOTrainer):
         self.sage_beta = args.beta if self.sage.kl != "none" else 0.0
         in_return = self.sage.kl_estimator == "k1_return" and self.sage_beta > 0
         reward_funcs = [] if reward_funcs is None else reward_funcs
-        reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        if in_return:  # the KL in the return is one more reward, summed with the task's before normalization
+        reward_funcs = (
+            list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        )
+        if in_return:  # KL in the return: a reward, summed with the task's before normalization
             reward_funcs.append(self.kl_return)
             if args.reward_weights is not None:
                 args.reward_weights = [*args.reward_weights, 1.0]
@@ -144,11 +182,12 @@ class SageGRPOTrainer(GRPOTrainer):
         self._guide_calls = (-1, 0)  # (optimizer step, guide draws on this process in that step)
         super().__init__(model, reward_funcs, args, **kwargs)
         if in_return or self.sage_beta == 0:
-            # TRL's generation step computes reference log-probs iff self.beta != 0; with the KL in the
-            # return the loss needs none, so that pass is skipped (kl_return scores the reference itself).
+            # TRL's generation step computes reference log-probs iff self.beta != 0; with the KL
+            # in the return the loss needs none, so that pass is skipped (kl_return scores the
+            # reference itself).
             self.beta = 0.0
 
-    # ---- the guide, held fixed for the batch ------------------------------------------------------
+    # ---- the guide, held fixed for the batch ---------------------------------------------------
 
     def _total_steps(self) -> int:
         return max(1, self.state.max_steps or self.args.max_steps)
@@ -157,68 +196,119 @@ class SageGRPOTrainer(GRPOTrainer):
         step, calls = self._guide_calls
         calls = calls + 1 if step == self.state.global_step else 0
         self._guide_calls = (self.state.global_step, calls)
-        return guide_generator(self.args.seed, self.state.global_step, self.accelerator.process_index, calls)
+        return guide_generator(
+            self.args.seed, self.state.global_step, self.accelerator.process_index, calls
+        )
 
-    def _log_q(self, inputs: dict, logps: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor):
-        """log q_t from the sampling policy's signals, computed once per batch and kept in ``inputs``
-        so that it stays fixed when TRL reuses the batch (num_iterations > 1)."""
-        if self.sage.guide.name == "none" or self.sage_beta == 0 or self.sage.kl_estimator == "k1_return":
+    def _log_q(
+        self, inputs: dict, logps: torch.Tensor, entropies: torch.Tensor, mask: torch.Tensor
+    ):
+        """log q_t from the sampling policy's signals, computed once per batch and kept in
+        ``inputs`` so that it stays fixed when TRL reuses the batch (num_iterations > 1)."""
+        if (
+            self.sage.guide.name == "none"
+            or self.sage_beta == 0
+            or self.sage.kl_estimator == "k1_return"
+        ):
             return None
         if "sage_log_q" not in inputs:
             old_logps = inputs.get("old_per_token_logps")
             signal = (old_logps if old_logps is not None else logps).detach()
-            inputs["sage_log_q"] = guides.compute_log_q(self.sage.guide, signal, entropies.detach(), mask,
-                                                        self.state.global_step, self._total_steps(),
-                                                        self._next_generator())
+            inputs["sage_log_q"] = guides.compute_log_q(
+                self.sage.guide,
+                signal,
+                entropies.detach(),
+                mask,
+                self.state.global_step,
+                self._total_steps(),
+                self._next_generator(),
+            )
         return inputs["sage_log_q"]
 
-    # ---- the loss (transformers' public hook) -----------------------------------------------------
+    # ---- the loss (transformers' public hook) ------------------------------------------------
+
+    def _loss_config(self, aggregation: str) -> loss.LossConfig:
+        """loss.policy_loss's knobs from the GRPOConfig (beta, epsilon, epsilon_high, the loss type
+        mapped to ``aggregation``, max_completion_length) and SageSettings (kl, kl_estimator); with
+        k1_return the KL is in the return (``kl_return``), so the loss has none. TRL forms the
+        advantages itself, so LossConfig.advantage is not read here."""
+        in_loss = self.sage.kl_estimator != "k1_return"
+        return loss.LossConfig(
+            aggregation=aggregation,
+            eps_low=self.epsilon_low,
+            eps_high=self.epsilon_high,
+            kl=self.sage.kl if in_loss else "none",
+            kl_estimator=self.sage.kl_estimator,
+            beta=self.sage_beta,
+            max_completion_length=self.max_completion_length,
+        )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("SageGRPOTrainer does not return outputs")
         if any(key in inputs for key in MULTIMODAL_KEYS):
-            raise NotImplementedError("trl_sage is text-only: multimodal inputs are not passed to the model")
+            raise NotImplementedError(
+                "trl_sage is text-only: multimodal inputs are not passed to the model"
+            )
         mode = "train" if self.model.training else "eval"
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]  # [B, C]
+        completion_ids = inputs["completion_ids"]  # [B, C]
+        completion_mask = inputs["completion_mask"]  # [B, C]
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)  # [B, P + C]
         attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
-        # TRL's log-prob pass (temperature-scaled, fused LM head) is the update's forward pass, with the
-        # full-vocabulary entropies the guide needs. The one private call.
+        # TRL's log-prob pass (temperature-scaled, fused LM head) is the update's forward pass, with
+        # the full-vocabulary entropies the guide needs. The one private call.
         logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, completion_ids.size(1),
-            compute_entropy=True, compute_aux_loss=self.aux_loss_enabled,
+            model,
+            input_ids,
+            attention_mask,
+            completion_ids.size(1),
+            compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
         )
-        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        mask = (
+            completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        )
         empty = not bool(mask.any())
-        if empty:  # e.g. every completion masked: a zero connected to the graph, the same collectives
+        if empty:  # e.g. every completion masked: a zero, connected to the graph (same collectives)
             mask = torch.ones_like(mask)
         log_q = self._log_q(inputs, logps, entropies, mask)
         old_logps = inputs.get("old_per_token_logps")
-        importance = inputs.get("importance_sampling_ratio")  # present iff TRL's vLLM IS correction is on
+        # present iff TRL's vLLM IS correction is on
+        importance = inputs.get("importance_sampling_ratio")
         aggregation = AGGREGATIONS[self.loss_type]
         # Set by the Trainer's loop; before it (a direct call) it is the configured value.
-        accumulation = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+        accumulation = getattr(
+            self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps
+        )
         accumulation = accumulation if mode == "train" else 1
         global_tokens = None
         if aggregation == "dapo":
             # TRL's normalizer: the generation batch's tokens over all processes, per process (DDP
             # averages gradients), rescaled to one accumulation window.
-            global_tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            global_tokens = (
+                inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            )
             if mode == "train":
                 global_tokens = global_tokens * accumulation / self.args.steps_per_generation
         in_loss = self.sage.kl_estimator != "k1_return"
+        fixed = loss.HeldFixed(
+            old_logps if old_logps is not None else logps.detach(),
+            ref_logps=inputs.get("ref_per_token_logps") if in_loss else None,
+            log_q=log_q,
+            entropies=entropies,
+            importance_weights=None if importance is None else importance.expand_as(mask),
+        )
         value, metrics = loss.policy_loss(
-            logps, old_logps if old_logps is not None else logps.detach(), inputs["advantages"], mask,
-            ref_logps=inputs.get("ref_per_token_logps") if in_loss else None, log_q=log_q,
-            beta=self.sage_beta, kl=self.sage.kl if in_loss else "none", kl_estimator=self.sage.kl_estimator,
-            eps_low=self.epsilon_low, eps_high=self.epsilon_high, aggregation=aggregation,
-            max_completion_length=self.max_completion_length, global_num_tokens=global_tokens,
-            entropies=entropies, importance_weights=None if importance is None else importance.expand_as(mask),
+            logps,
+            inputs["advantages"],
+            mask,
+            fixed,
+            self._loss_config(aggregation),
+            global_tokens,
             q_constant_per_position=self.sage.guide.name in ("branch", "random"),
         )
-        if aggregation != "dapo":
-            value = value / accumulation  # TRL scales its own loss for accumulation (loss_is_scaled_for_ga)
+        if aggregation != "dapo":  # TRL scales its loss for accumulation (loss_is_scaled_for_ga)
+            value = value / accumulation
         if self.aux_loss_enabled:
             value = value + self.router_aux_loss_coef * aux_loss / accumulation
         if empty:
@@ -228,12 +318,13 @@ class SageGRPOTrainer(GRPOTrainer):
         self._record(mode, metrics)
         return value
 
-    # ---- the KL in the return (k1_return), as a reward function -----------------------------------
+    # ---- the KL in the return (k1_return), as a reward function --------------------------------
 
     @torch.no_grad()
     def kl_return(self, prompts, completions, completion_ids, **kwargs) -> list[float]:
-        """-beta * sum_t (log pi(y_t) - log pi_ref(y_t) - log q_t) per completion: the sequence-level
-        k1 of the pseudo-KL counted in the return (loss.kl_shaped_rewards, realizes Eq. 4).
+        """-beta * sum_t (log pi(y_t) - log pi_ref(y_t) - log q_t) per completion: the
+        sequence-level k1 of the pseudo-KL counted in the return (loss.kl_shaped_rewards, realizes
+        Eq. 4).
 
         TRL calls it with this process's completions before the advantage. It scores them under the
         current policy (with entropies, for the guide) and the reference (the adapter off, or TRL's
@@ -243,52 +334,83 @@ class SageGRPOTrainer(GRPOTrainer):
         from trl.trainer.utils import pad, use_adapter
 
         device = self.accelerator.device
-        if is_conversational({"prompt": prompts[0]}):  # GRPOTrainer._tokenize_prompts' tokenization
+        # GRPOTrainer._tokenize_prompts' tokenization
+        if is_conversational({"prompt": prompts[0]}):
             prompt_ids = self.processing_class.apply_chat_template(
-                conversation=prompts, tools=self.tools or None, chat_template=self.chat_template,
-                add_generation_prompt=True, tokenize=True, return_dict=True, **self.chat_template_kwargs,
+                conversation=prompts,
+                tools=self.tools or None,
+                chat_template=self.chat_template,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                **self.chat_template_kwargs,
             )["input_ids"]
         else:
             prompt_ids = self.processing_class(text=prompts)["input_ids"]
         pad_id = self.processing_class.pad_token_id
         prompt_rows = [torch.tensor(ids) for ids in prompt_ids]
         completion_rows = [torch.tensor(ids, dtype=torch.long) for ids in completion_ids]
-        prompt_tensor = pad(prompt_rows, padding_value=pad_id, padding_side="left").to(device)  # [B, P]
-        prompt_mask = pad([torch.ones_like(t) for t in prompt_rows], padding_value=0, padding_side="left").to(device)
-        completion_tensor = pad(completion_rows, padding_value=pad_id, padding_side="right").to(device)  # [B, C]
-        mask = pad([torch.ones_like(t) for t in completion_rows], padding_value=0, padding_side="right").to(device)
+        prompt_tensor = pad(  # [B, P]
+            prompt_rows, padding_value=pad_id, padding_side="left"
+        ).to(device)
+        prompt_mask = pad(
+            [torch.ones_like(t) for t in prompt_rows], padding_value=0, padding_side="left"
+        ).to(device)
+        completion_tensor = pad(  # [B, C]
+            completion_rows, padding_value=pad_id, padding_side="right"
+        ).to(device)
+        mask = pad(
+            [torch.ones_like(t) for t in completion_rows], padding_value=0, padding_side="right"
+        ).to(device)
         input_ids = torch.cat([prompt_tensor, completion_tensor], dim=1)
         attention_mask = torch.cat([prompt_mask, mask], dim=1)
         length, batch = completion_tensor.size(1), self.args.per_device_train_batch_size
         logps, entropies, _ = self._get_per_token_logps_and_entropies(
-            self.model, input_ids, attention_mask, length, batch_size=batch, compute_entropy=True)
+            self.model, input_ids, attention_mask, length, batch_size=batch, compute_entropy=True
+        )
         if self.ref_model is not None:
             ref_logps, _, _ = self._get_per_token_logps_and_entropies(
-                self.ref_model, input_ids, attention_mask, length, batch_size=batch)
+                self.ref_model, input_ids, attention_mask, length, batch_size=batch
+            )
         else:
             unwrapped = self.accelerator.unwrap_model(self.model)
-            with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+            with use_adapter(
+                unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None
+            ):
                 ref_logps, _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, length, batch_size=batch)
-        log_q = guides.compute_log_q(self.sage.guide, logps, entropies, mask, self.state.global_step,
-                                     self._total_steps(), self._next_generator())
-        shaped = loss.kl_shaped_rewards(torch.zeros(len(prompts), device=device), logps, ref_logps, log_q, mask,
-                                        self.sage_beta)
+                    self.model, input_ids, attention_mask, length, batch_size=batch
+                )
+        log_q = guides.compute_log_q(
+            self.sage.guide,
+            logps,
+            entropies,
+            mask,
+            self.state.global_step,
+            self._total_steps(),
+            self._next_generator(),
+        )
+        shaped = loss.kl_shaped_rewards(
+            torch.zeros(len(prompts), device=device), logps, ref_logps, log_q, mask, self.sage_beta
+        )
         log_metric = kwargs.get("log_metric")
         if log_metric is not None:
             weights = mask.float()
             count = weights.sum().clamp_min(1.0)
             log_metric("kl/ref_k1", (((logps - ref_logps) * weights).sum() / count).item())
-            log_metric("kl/anchor_k1", (((logps - ref_logps - log_q) * weights).sum() / count).item())
+            log_metric(
+                "kl/anchor_k1", (((logps - ref_logps - log_q) * weights).sum() / count).item()
+            )
             if self.sage.guide.name != "none":
                 log_metric("q/mean", ((log_q.exp() * weights).sum() / count).item())
         return shaped.tolist()
 
-    # ---- metrics: gathered over processes, merged into TRL's logs ----------------------------------
+    # ---- metrics: gathered over processes, merged into TRL's logs -----------------------------
 
     def _record(self, mode: str, metrics: dict[str, float]) -> None:
         keys = sorted(metrics)
-        values = torch.tensor([[metrics[k] for k in keys]], dtype=torch.float32, device=self.accelerator.device)
+        values = torch.tensor(
+            [[metrics[k] for k in keys]], dtype=torch.float32, device=self.accelerator.device
+        )
         gathered = self.accelerator.gather(values).view(-1, len(keys))  # [processes, metrics]
         for column, key in enumerate(keys):
             column_values = gathered[:, column]
@@ -315,19 +437,6 @@ class SageGRPOTrainer(GRPOTrainer):
                 logs[prefix + key] = sum(valid) / len(valid)
         self._sage_metrics[mode].clear()
         super().log(logs, start_time)
-
-
-def private_signature_matches() -> str | None:
-    """None if TRL's private method that compute_loss calls has the signature this module was
-    written against; else one line naming the pinned version."""
-    parameters = list(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
-    expected = ["self", "model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy",
-                "compute_aux_loss"]
-    if parameters[: len(expected)] != expected:
-        return (f"TRL {trl.__version__}: GRPOTrainer._get_per_token_logps_and_entropies{tuple(parameters)} changed "
-                f"from the signature trl_sage.py was written for (TRL {TRL_VERSION}: {tuple(expected)}, returning "
-                f"logps, entropies, aux_loss); pin trl=={TRL_VERSION} or update SageGRPOTrainer")
-    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,12 +468,26 @@ def training_dataset(args: TRLArgs, tokenizer):
     import datasets
 
     rows = load_rows(args.dataset, args.dataset_config)
-    problems = training_problems(rows, args.problem_key, args.answer_key, args.max_train_samples, args.dataset)
-    kept = [p for p in problems if len(build_prompt_ids(tokenizer, p["problem"])) <= args.max_prompt_len]
+    problems = training_problems(
+        rows, args.problem_key, args.answer_key, args.max_train_samples, args.dataset
+    )
+    kept = [
+        p for p in problems if len(build_prompt_ids(tokenizer, p["problem"])) <= args.max_prompt_len
+    ]
     if not kept:
-        raise DataError(f"every training prompt is longer than --max-prompt-len {args.max_prompt_len}: raise it")
-    return datasets.Dataset.from_list([{"prompt": prompt_messages(p["problem"]), "problem": p["problem"],
-                                        "answer": p["answer"]} for p in kept])
+        raise DataError(
+            f"every training prompt is longer than --max-prompt-len {args.max_prompt_len}: raise it"
+        )
+    return datasets.Dataset.from_list(
+        [
+            {
+                "prompt": prompt_messages(p["problem"]),
+                "problem": p["problem"],
+                "answer": p["answer"],
+            }
+            for p in kept
+        ]
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -374,7 +497,7 @@ def training_dataset(args: TRLArgs, tokenizer):
 
 @dataclass
 class TRLArgs:
-    """python trl_sage.py --model PATH --guide branch ... (under accelerate launch for several GPUs)."""
+    """python -m extras.trl_sage --model PATH --guide branch ... (or under accelerate launch)."""
 
     model: str
     """Policy: a hub name or a local model directory."""
@@ -389,34 +512,35 @@ class TRLArgs:
     max_train_samples: int = sage.Config.max_train_samples
     """Use the first N training problems (paper: 2,000)."""
     reward: str = sage.Config.reward
-    """The reward: empty for Math-Verify, else module:function or file.py:function (as in sage.py)."""
-    guide: str = sage.Config.guide
+    """The reward: empty for Math-Verify, else module:function or file.py:function
+    (as in sage.py)."""
+    guide: str = guides.GuideConfig.name
     """none | random (Eq. 9) | token (Eq. 10) | branch (Eq. 11)."""
-    tau: float = sage.Config.tau
+    tau: float = guides.GuideConfig.tau
     """Branch guide: entropy threshold in nats."""
-    ratio: float = sage.Config.ratio
+    ratio: float = guides.GuideConfig.ratio
     """Branch guide: slope above the threshold."""
-    q_min: float = sage.Config.q_min
+    q_min: float = guides.GuideConfig.q_min
     """Guide clamp, lower."""
-    q_max: float = sage.Config.q_max
+    q_max: float = guides.GuideConfig.q_max
     """Guide clamp, upper."""
-    token_normalization: str = sage.Config.token_normalization
+    token_normalization: str = guides.GuideConfig.token_normalization
     """Token guide: how entropies are normalized (as in sage.py)."""
     kl: str = "reverse"
     """reverse | forward | none."""
-    kl_estimator: str = sage.Config.kl_estimator
+    kl_estimator: str = loss.LossConfig.kl_estimator
     """k3 (paper) | k2 | ratio_k3 | k1_return (the KL in the return, through a reward function)."""
-    beta: float = sage.Config.beta
+    beta: float = loss.LossConfig.beta
     """KL coefficient."""
     advantage: str = "grpo"
     """grpo | dr_grpo (TRL computes the advantages: group std, or none)."""
     loss_agg: str = "grpo"
     """grpo | batch_token_mean | dr_grpo | dapo."""
-    eps_low: float = sage.Config.eps_low
+    eps_low: float = loss.LossConfig.eps_low
     """Lower clip of the ratio."""
     eps_high: float = 0.2
     """Upper clip of the ratio."""
-    tis_cap: float = sage.Config.tis_cap
+    tis_cap: float = loss.LossConfig.tis_cap
     """vLLM only: per-token truncated importance sampling min(pi_old / pi_engine, C); 0: off."""
     lr: float = sage.Config.lr
     """AdamW learning rate."""
@@ -487,17 +611,42 @@ class TRLArgs:
 def validate(args: TRLArgs) -> None:
     """One-line errors for what TRL's GRPOTrainer cannot run as asked, and for bad values."""
     checks = [
-        (args.guide in guides.GUIDES, f"unknown --guide {args.guide!r}: choose one of {', '.join(guides.GUIDES)}"),
-        (args.kl in loss.KL_MODES, f"unknown --kl {args.kl!r}: choose one of {', '.join(loss.KL_MODES)}"),
-        (args.kl_estimator in loss.KL_ESTIMATORS,
-         f"unknown --kl-estimator {args.kl_estimator!r}: choose one of {', '.join(loss.KL_ESTIMATORS)}"),
-        (args.kl_estimator != "k1_return" or args.kl != "forward", "--kl-estimator k1_return needs --kl reverse"),
-        (args.advantage in SCALE_REWARDS, f"--advantage {args.advantage} is not available on TRL (it forms the "
-         f"advantages inside its generation step): use {' or '.join(SCALE_REWARDS)}, or sage.py"),
-        (args.loss_agg in LOSS_TYPES, f"unknown --loss-agg {args.loss_agg!r}: choose one of {', '.join(LOSS_TYPES)}"),
-        (args.guide == "none" or (args.kl != "none" and args.beta > 0),
-         f"--guide {args.guide} acts only through the KL anchor: use --kl reverse with --beta > 0"),
-        (args.rollouts >= 2, "--rollouts must be >= 2 (group advantages compare completions of one prompt)"),
+        (
+            args.guide in guides.GUIDES,
+            f"unknown --guide {args.guide!r}: choose one of {', '.join(guides.GUIDES)}",
+        ),
+        (
+            args.kl in loss.KL_MODES,
+            f"unknown --kl {args.kl!r}: choose one of {', '.join(loss.KL_MODES)}",
+        ),
+        (
+            args.kl_estimator in loss.KL_ESTIMATORS,
+            f"unknown --kl-estimator {args.kl_estimator!r}: "
+            f"choose one of {', '.join(loss.KL_ESTIMATORS)}",
+        ),
+        (
+            args.kl_estimator != "k1_return" or args.kl != "forward",
+            "--kl-estimator k1_return needs --kl reverse",
+        ),
+        (
+            args.advantage in SCALE_REWARDS,
+            f"--advantage {args.advantage} is not available on TRL (it forms the "
+            f"advantages inside its generation step): use {' or '.join(SCALE_REWARDS)}, "
+            "or sage.py",
+        ),
+        (
+            args.loss_agg in LOSS_TYPES,
+            f"unknown --loss-agg {args.loss_agg!r}: choose one of {', '.join(LOSS_TYPES)}",
+        ),
+        (
+            args.guide == "none" or (args.kl != "none" and args.beta > 0),
+            f"--guide {args.guide} acts only through the KL anchor: "
+            "use --kl reverse with --beta > 0",
+        ),
+        (
+            args.rollouts >= 2,
+            "--rollouts must be >= 2 (group advantages compare completions of one prompt)",
+        ),
         (args.max_prompt_len < args.max_seq_len, "--max-prompt-len must be below --max-seq-len"),
         (args.vllm_mode in ("colocate", "server"), "--vllm-mode must be colocate or server"),
         (args.beta >= 0, "--beta must be >= 0"),
@@ -518,36 +667,63 @@ def grpo_config(args: TRLArgs, num_processes: int) -> GRPOConfig:
     completions = args.prompts_per_step * args.rollouts
     per_window = args.micro_batch_size * num_processes
     if completions % per_window:
-        raise ValueError(f"--prompts-per-step x --rollouts = {completions} completions per step must be a multiple "
-                         f"of --micro-batch-size x processes = {per_window}")
+        raise ValueError(
+            f"--prompts-per-step x --rollouts = {completions} completions per step must be a "
+            f"multiple of --micro-batch-size x processes = {per_window}"
+        )
     cuda = torch.cuda.is_available()
     tis = args.tis_cap > 0
     return GRPOConfig(
-        output_dir=os.path.join(args.out, run_name(args)), seed=args.seed, max_steps=args.steps,
-        learning_rate=args.lr, weight_decay=args.weight_decay, lr_scheduler_type="linear",
+        output_dir=os.path.join(args.out, run_name(args)),
+        seed=args.seed,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        weight_decay=args.weight_decay,
+        lr_scheduler_type="linear",
         warmup_steps=args.warmup_ratio,  # a float in [0, 1) is a fraction of max_steps
-        max_grad_norm=args.max_grad_norm, per_device_train_batch_size=args.micro_batch_size,
-        gradient_accumulation_steps=completions // per_window, num_generations=args.rollouts,
-        num_iterations=args.num_iterations, max_completion_length=args.max_seq_len - args.max_prompt_len,
-        temperature=args.temperature, top_p=args.top_p, top_k=max(args.top_k, 0), min_p=args.min_p or None,
-        beta=args.beta if args.kl != "none" else 0.0, use_bias_correction_kl=args.kl_estimator == "ratio_k3",
-        epsilon=args.eps_low, epsilon_high=args.eps_high, loss_type=LOSS_TYPES[args.loss_agg],
+        max_grad_norm=args.max_grad_norm,
+        per_device_train_batch_size=args.micro_batch_size,
+        gradient_accumulation_steps=completions // per_window,
+        num_generations=args.rollouts,
+        num_iterations=args.num_iterations,
+        max_completion_length=args.max_seq_len - args.max_prompt_len,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=max(args.top_k, 0),
+        min_p=args.min_p or None,
+        beta=args.beta if args.kl != "none" else 0.0,
+        use_bias_correction_kl=args.kl_estimator == "ratio_k3",
+        epsilon=args.eps_low,
+        epsilon_high=args.eps_high,
+        loss_type=LOSS_TYPES[args.loss_agg],
         scale_rewards=SCALE_REWARDS[args.advantage],
-        use_vllm=args.use_vllm, vllm_mode=args.vllm_mode, vllm_server_host=args.vllm_server_host,
-        vllm_server_port=args.vllm_server_port, vllm_gpu_memory_utilization=args.gpu_memory_utilization,
+        use_vllm=args.use_vllm,
+        vllm_mode=args.vllm_mode,
+        vllm_server_host=args.vllm_server_host,
+        vllm_server_port=args.vllm_server_port,
+        vllm_gpu_memory_utilization=args.gpu_memory_utilization,
         vllm_tensor_parallel_size=args.vllm_tensor_parallel_size,
-        vllm_enable_sleep_mode=args.vllm_sleep and args.vllm_mode == "colocate", vllm_max_model_length=args.max_seq_len,
+        vllm_enable_sleep_mode=args.vllm_sleep and args.vllm_mode == "colocate",
+        vllm_max_model_length=args.max_seq_len,
         # sage.py's --tis-cap: TRL's per-token truncated IS; 0 turns TRL's default correction off.
-        vllm_importance_sampling_correction=tis, vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_correction=tis,
+        vllm_importance_sampling_mode="token_truncate",
         vllm_importance_sampling_clip_max=args.tis_cap if tis else 3.0,
         gradient_checkpointing=args.gradient_checkpointing,
         bf16=cuda,  # GRPOConfig's default is True, which on CPU means bf16 autocast
         use_cpu=not cuda,  # also what makes a multi-process launch on CPU a gloo group
-        # Trained weights stay float32 when every weight is trained (bf16 would round AdamW's steps away;
-        # TRL's bf16 autocast still computes in bf16); LoRA's frozen base is bf16 on CUDA.
-        model_init_kwargs={"dtype": "bfloat16" if cuda and not args.full_finetune else "float32",
-                           "attn_implementation": attention_implementation(torch.bfloat16 if cuda else torch.float32)},
-        disable_dropout=True, logging_steps=1, save_strategy="steps", save_steps=args.save_every,
+        # Trained weights stay float32 when every weight is trained (bf16 would round AdamW's steps
+        # away; TRL's bf16 autocast still computes in bf16); LoRA's frozen base is bf16 on CUDA.
+        model_init_kwargs={
+            "dtype": "bfloat16" if cuda and not args.full_finetune else "float32",
+            "attn_implementation": attention_implementation(
+                torch.bfloat16 if cuda else torch.float32
+            ),
+        },
+        disable_dropout=True,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=args.save_every,
         report_to=[name for name in args.report_to.split(",") if name and name != "none"] or "none",
     )
 
@@ -562,16 +738,39 @@ def build_trainer(args: TRLArgs, num_processes: int = 1) -> SageGRPOTrainer:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    lora = None if args.full_finetune else LoraConfig(
-        r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0, target_modules=LORA_TARGETS,
-        task_type="CAUSAL_LM")
+    lora = (
+        None
+        if args.full_finetune
+        else LoraConfig(
+            r=args.lora_rank,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=LORA_TARGETS,
+            task_type="CAUSAL_LM",
+        )
+    )
     settings = SageSettings(
-        guide=guides.GuideConfig(name=args.guide, tau=args.tau, ratio=args.ratio, q_min=args.q_min, q_max=args.q_max,
-                                 token_normalization=args.token_normalization),
-        kl=args.kl, kl_estimator=args.kl_estimator)
-    return SageGRPOTrainer(args.model, trl_reward(load_reward_function(args.reward)), config, sage=settings,
-                           train_dataset=training_dataset(args, tokenizer), processing_class=tokenizer,
-                           peft_config=lora, callbacks=[MetricsFile(os.path.join(config.output_dir, "metrics.jsonl"))])
+        guide=guides.GuideConfig(
+            name=args.guide,
+            tau=args.tau,
+            ratio=args.ratio,
+            q_min=args.q_min,
+            q_max=args.q_max,
+            token_normalization=args.token_normalization,
+        ),
+        kl=args.kl,
+        kl_estimator=args.kl_estimator,
+    )
+    return SageGRPOTrainer(
+        args.model,
+        trl_reward(load_reward_function(args.reward)),
+        config,
+        sage=settings,
+        train_dataset=training_dataset(args, tokenizer),
+        processing_class=tokenizer,
+        peft_config=lora,
+        callbacks=[MetricsFile(os.path.join(config.output_dir, "metrics.jsonl"))],
+    )
 
 
 class MetricsFile(TrainerCallback):
@@ -586,9 +785,29 @@ class MetricsFile(TrainerCallback):
             runs.append_jsonl(self.path, {"step": state.global_step - 1, **(logs or {})})
 
 
+def check_args(args: TRLArgs, parser) -> None:
+    """Every flag before anything loads (one line, exit 2): sage.py's ranges for the flags they
+    share, paths, the reward's import, and a --full-finetune that cannot fit, as sage.py does."""
+    from machinery import flag_checks, models
+
+    sage_rules = {flag: rule for flag, _, rule in flag_checks.numeric_rules(sage.Config())}
+    if (problem := flag_checks.check_trl_args(args, sage_rules)) is not None:
+        parser.error(problem)
+    flag_checks.check_reward(args.reward, parser.error)
+    if args.full_finetune:
+        anchored = args.kl != "none" and args.beta > 0
+        try:
+            models.check_full_finetune_fits(args.model, anchored, with_engine=args.use_vllm)
+        except SystemExit as refusal:
+            parser.error(str(refusal).removeprefix("error: "))
+
+
 def main(argv: list[str] | None = None) -> SageGRPOTrainer:
-    given, parser = cli.parse(TRLArgs, argv, prog="trl_sage.py", description=__doc__.split("\n")[0])
+    given, parser = cli.parse(
+        TRLArgs, argv, prog="python -m extras.trl_sage", description=__doc__.split("\n")[0]
+    )
     args = TRLArgs(**given)
+    check_args(args, parser)
     # The launcher (accelerate, torchrun, deepspeed) says how many processes share a step, and the
     # accumulation steps follow from it before any GRPOConfig exists. (A PartialState() made here
     # would be initialized without cpu=True, which on CPU counts one process.)
@@ -597,7 +816,10 @@ def main(argv: list[str] | None = None) -> SageGRPOTrainer:
     last_checkpoint = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
     has_checkpoint = last_checkpoint is not None
     if has_checkpoint and not args.resume:
-        parser.error(f"{run_dir} already holds a checkpoint: pass --resume to continue it, or --name for a new run")
+        parser.error(
+            f"{run_dir} already holds a checkpoint: "
+            "pass --resume to continue it, or --name for a new run"
+        )
     if args.resume and not has_checkpoint:
         parser.error(f"--resume, but {run_dir} holds no checkpoint: drop --resume to start afresh")
     try:
@@ -613,12 +835,19 @@ def main(argv: list[str] | None = None) -> SageGRPOTrainer:
         elif os.path.exists(metrics_path):
             os.remove(metrics_path)
         config = trainer.args
-        print(f"trl_sage: {config.world_size} processes x micro-batch {config.per_device_train_batch_size} x "
-              f"{config.gradient_accumulation_steps} accumulation steps = {args.prompts_per_step} prompts x "
-              f"{args.rollouts} rollouts per optimizer step; TRL {trl.__version__}")
+        print(
+            f"trl_sage: {config.world_size} processes x "
+            f"micro-batch {config.per_device_train_batch_size} x "
+            f"{config.gradient_accumulation_steps} accumulation steps = "
+            f"{args.prompts_per_step} prompts x "
+            f"{args.rollouts} rollouts per optimizer step; TRL {trl.__version__}"
+        )
         if args.min_p > 0:
-            print(f"note: min-p {args.min_p} truncates the sampler, but TRL's log-probs are the untruncated tempered "
-                  "policy's (sage.py replays it): the update is slightly off-policy")
+            print(
+                f"note: min-p {args.min_p} truncates the sampler, but TRL's log-probs are the "
+                "untruncated tempered policy's (sage.py replays it): the update is slightly "
+                "off-policy"
+            )
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     trainer.save_model(os.path.join(run_dir, "final"))
     return trainer

@@ -37,8 +37,9 @@ def atomic_output(path: str, mode: str = "w"):
     see a half-written file), with the permissions a plain ``open`` would have given."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile(mode, dir=directory, prefix=".tmp-", suffix=os.path.splitext(path)[1],
-                                         delete=False)
+    handle = tempfile.NamedTemporaryFile(
+        mode, dir=directory, prefix=".tmp-", suffix=os.path.splitext(path)[1], delete=False
+    )
     try:
         with handle:
             yield handle
@@ -99,11 +100,12 @@ class PhaseTimer:
     >>> with timer("reward"):
     ...     pass
     >>> list(timer.record())
-    ['time/reward_s']
+    ['time/reward_s', 'time/step_s', 'time/other_s']
     """
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.started = time.perf_counter()
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
@@ -114,7 +116,12 @@ class PhaseTimer:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
 
     def record(self) -> dict[str, float]:
-        return {f"time/{phase}_s": seconds for phase, seconds in self.seconds.items()}
+        """Each phase's seconds, the whole step's since the timer was made, and what no phase
+        covers."""
+        times = {f"time/{phase}_s": seconds for phase, seconds in self.seconds.items()}
+        times["time/step_s"] = time.perf_counter() - self.started
+        times["time/other_s"] = times["time/step_s"] - sum(self.seconds.values())
+        return times
 
 
 class StepMetrics:
@@ -180,7 +187,12 @@ def save_checkpoint(run_dir: str, policy, optimizer, scheduler, state: dict) -> 
         os.makedirs(temporary)
         policy.save_pretrained(os.path.join(temporary, "model"))  # the adapter only, for LoRA
         torch.save(
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_states(), **state},
+            {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "rng": rng_states(),
+                **state,
+            },
             os.path.join(temporary, "trainer_state.pt"),
         )
         with open(os.path.join(temporary, "trainer_state.json"), "w") as handle:
@@ -193,7 +205,10 @@ def save_checkpoint(run_dir: str, policy, optimizer, scheduler, state: dict) -> 
         shutil.rmtree(previous, ignore_errors=True)
     except OSError as error:
         shutil.rmtree(temporary, ignore_errors=True)
-        raise SystemExit(f"error: checkpoint write failed ({error}); the previous checkpoint in {final} is intact") from None
+        raise SystemExit(
+            f"error: checkpoint write failed ({error}); "
+            f"the previous checkpoint in {final} is intact"
+        ) from None
     return final
 
 
@@ -201,12 +216,18 @@ def load_checkpoint(run_dir: str, policy, optimizer, scheduler) -> dict:
     """Restore weights (adapter or full), optimizer, scheduler and RNG; return the saved state."""
     final = checkpoint_dir(run_dir)
     if not has_checkpoint(run_dir):
-        raise SystemExit(f"error: --resume but no checkpoint in {final}; drop --resume to start fresh")
+        raise SystemExit(
+            f"error: --resume but no checkpoint in {final}; drop --resume to start fresh"
+        )
     model_dir = os.path.join(final, "model")
     if hasattr(policy, "peft_config"):
-        set_peft_model_state_dict(policy, load_file(os.path.join(model_dir, "adapter_model.safetensors")))
+        set_peft_model_state_dict(
+            policy, load_file(os.path.join(model_dir, "adapter_model.safetensors"))
+        )
     else:
-        saved = AutoModelForCausalLM.from_pretrained(model_dir, dtype=next(policy.parameters()).dtype)
+        saved = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=next(policy.parameters()).dtype
+        )
         policy.load_state_dict(saved.state_dict())
     state = torch.load(os.path.join(final, "trainer_state.pt"), weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
@@ -224,3 +245,56 @@ def save_model_atomic(model, tokenizer, final: str) -> str:
     shutil.rmtree(final, ignore_errors=True)
     os.replace(temporary, final)
     return final
+
+
+def restore_or_start(
+    resume: bool, run_dir: str, policy, optimizer, scheduler, sampler, guide_generator
+) -> int:
+    """The step to start from: the checkpoint's with --resume (weights, optimizer, scheduler, RNG,
+    sampler and guide states restored; metrics.jsonl and eval.jsonl cut back to it), else 0 with
+    fresh logs."""
+    logs = [os.path.join(run_dir, name) for name in ("metrics.jsonl", "eval.jsonl")]
+    if not resume:
+        for path in logs:
+            if os.path.exists(path):
+                os.remove(path)
+        return 0
+    state = load_checkpoint(run_dir, policy, optimizer, scheduler)
+    sampler.load_state_dict(state["sampler"])
+    guide_generator.set_state(state["guide_generator"])
+    truncate_jsonl(logs[0], state["step"])  # metrics of steps 0 .. step - 1
+    truncate_jsonl(logs[1], state["step"] + 1)  # evaluations after 0 .. step updates
+    return state["step"]
+
+
+def checkpoint_due(
+    step: int, start: int, total: int, save_every: int, stop_after: int
+) -> tuple[bool, bool]:
+    """(save now, stop now) after optimizer step ``step`` (0-based) of a run that began at
+    ``start``.
+
+    >>> checkpoint_due(step=1, start=0, total=10, save_every=5, stop_after=2)
+    (True, True)
+    """
+    stopping = stop_after > 0 and step + 1 - start >= stop_after and step + 1 < total
+    return (step + 1) % save_every == 0 or step + 1 == total or stopping, stopping
+
+
+def checkpoint_if_due(run_dir: str, step: int, start: int, config, state: tuple) -> bool:
+    """After optimizer step ``step``: save <run>/checkpoint every --save-every steps, after the
+    last and at --stop-after. ``state`` is (policy, optimizer, scheduler, prompt sampler, guide
+    generator). Returns True when --stop-after ends the run here."""
+    from tqdm import tqdm
+
+    policy, optimizer, scheduler, sampler, guide_generator = state
+    save, stop = checkpoint_due(step, start, config.steps, config.save_every, config.stop_after)
+    if save:
+        trainer_state = {
+            "step": step + 1,
+            "sampler": sampler.state_dict(),
+            "guide_generator": guide_generator.get_state(),
+        }
+        save_checkpoint(run_dir, policy, optimizer, scheduler, trainer_state)
+    if stop:
+        tqdm.write(f"stopped after step {step + 1} as asked; continue with --resume")
+    return stop

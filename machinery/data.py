@@ -18,17 +18,18 @@ import json
 import os
 import random
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import datasets
 
-from task import GRADERS, build_prompt_ids, sft_completion
+from machinery.cli import UsageError
+from machinery.task import GRADERS, build_prompt_ids, sft_completion
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-class DataError(ValueError):
+class DataError(UsageError):
     """Data that cannot be used as asked; the message names the problem and the fix."""
 
 
@@ -42,25 +43,30 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0][:200] if text else type(error).__name__
 
 
-def load_rows(source: str, config_name: str | None = None, split: str = "train",
-              data_files: str | None = None) -> list[dict]:
+def load_rows(
+    source: str, config_name: str | None = None, split: str = "train", data_files: str | None = None
+) -> list[dict]:
     """Rows of a hub dataset or of a local .jsonl/.json/.parquet/.csv file."""
     extension = os.path.splitext(source)[1].lower()
     looks_local = extension in LOCAL_FORMATS or os.path.exists(source)
     if looks_local and not os.path.isfile(source):
         raise DataError(f"cannot load dataset {source!r}: no such file")
     if looks_local and extension not in LOCAL_FORMATS:
-        raise DataError(f"{source}: unknown file type {extension!r}; use one of {', '.join(LOCAL_FORMATS)}")
+        raise DataError(
+            f"{source}: unknown file type {extension!r}; use one of {', '.join(LOCAL_FORMATS)}"
+        )
     datasets.disable_progress_bars()
     try:
         if looks_local:
             rows = datasets.load_dataset(LOCAL_FORMATS[extension], data_files=source, split="train")
         else:
-            rows = datasets.load_dataset(source, config_name or None, split=split, data_files=data_files)
+            rows = datasets.load_dataset(
+                source, config_name or None, split=split, data_files=data_files
+            )
     except Exception as error:  # noqa: BLE001 -- offline, not cached, renamed upstream, a bad file
         raise DataError(
-            f"cannot load dataset {source!r} ({first_line(error)}); pass a local .jsonl/.parquet file, or run "
-            "once with internet access so the hub copy is cached"
+            f"cannot load dataset {source!r} ({first_line(error)}); pass a local .jsonl/.parquet "
+            "file, or run once with internet access so the hub copy is cached"
         ) from None
     return list(rows)
 
@@ -69,7 +75,9 @@ def require_fields(rows: list[dict], keys: Sequence[str], where: str, flags: str
     """One line naming the fields the rows do have and the flags that choose them."""
     if rows and any(key not in rows[0] for key in keys):
         missing = next(key for key in keys if key not in rows[0])
-        raise DataError(f"{where} has no field {missing!r} (fields: {', '.join(sorted(rows[0]))}); set {flags}")
+        raise DataError(
+            f"{where} has no field {missing!r} (fields: {', '.join(sorted(rows[0]))}); set {flags}"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -77,8 +85,14 @@ def require_fields(rows: list[dict], keys: Sequence[str], where: str, flags: str
 # --------------------------------------------------------------------------------------------
 
 
-def training_problems(rows: list[dict], problem_key: str, answer_key: str, limit: int, where: str,
-                      solution_key: str = "") -> list[dict]:
+def training_problems(
+    rows: list[dict],
+    problem_key: str,
+    answer_key: str,
+    limit: int,
+    where: str,
+    solution_key: str = "",
+) -> list[dict]:
     """The first ``limit`` rows (0: all) as {problem, answer} (and the reference ``solution`` of
     ``solution_key``, "" where a row has none); a row without an answer is an error."""
     require_fields(rows, (problem_key, answer_key), where, "--problem-key / --answer-key")
@@ -86,8 +100,10 @@ def training_problems(rows: list[dict], problem_key: str, answer_key: str, limit
     for index, row in enumerate(rows[: limit or None]):
         answer = row.get(answer_key)
         if answer is None or str(answer).strip() == "":
-            raise DataError(f"{where} row {index} has no answer in field {answer_key!r}; clean the data or pick "
-                            "another --answer-key")
+            raise DataError(
+                f"{where} row {index} has no answer in field {answer_key!r}; clean the data or "
+                "pick another --answer-key"
+            )
         problem = {"problem": str(row[problem_key]), "answer": str(answer)}
         if solution_key:
             problem["solution"] = str(row.get(solution_key) or "").strip()
@@ -140,12 +156,17 @@ class PromptSampler:
 # --------------------------------------------------------------------------------------------
 
 
-def sft_examples(rows: list[dict], problem_key: str, reasoning_key: str, answer_key: str,
-                 where: str) -> tuple[list[dict], int]:
+def sft_examples(
+    rows: list[dict], problem_key: str, reasoning_key: str, answer_key: str, where: str
+) -> tuple[list[dict], int]:
     """{problem, completion} in the paper's format from the numerically answerable rows (the
     paper keeps those only), and the number of rows dropped for a non-numeric answer."""
-    require_fields(rows, (problem_key, reasoning_key, answer_key), where,
-                   "--sft-problem-key / --sft-reasoning-key / --sft-answer-key")
+    require_fields(
+        rows,
+        (problem_key, reasoning_key, answer_key),
+        where,
+        "--sft-problem-key / --sft-reasoning-key / --sft-answer-key",
+    )
     examples = []
     for row in rows:
         answer = str(row[answer_key]).strip()
@@ -153,14 +174,20 @@ def sft_examples(rows: list[dict], problem_key: str, reasoning_key: str, answer_
             float(answer.replace(",", ""))
         except ValueError:
             continue
-        examples.append({"problem": str(row[problem_key]), "completion": sft_completion(str(row[reasoning_key]), answer)})
+        examples.append(
+            {
+                "problem": str(row[problem_key]),
+                "completion": sft_completion(str(row[reasoning_key]), answer),
+            }
+        )
     if not examples:
         raise DataError(f"no numerically answerable SFT examples in {where}")
     return examples, len(rows) - len(examples)
 
 
-def tokenize_sft_examples(tokenizer, examples: list[dict], max_tokens: int, max_samples: int = 0
-                          ) -> tuple[list[tuple[list[int], list[int]]], dict]:
+def tokenize_sft_examples(
+    tokenizer, examples: list[dict], max_tokens: int, max_samples: int = 0
+) -> tuple[list[tuple[list[int], list[int]]], dict]:
     """(prompt ids, completion ids + EOS) of the first ``max_samples`` examples (0: all) whose
     whole text fits in ``max_tokens``, and counts of what was kept and dropped.
 
@@ -170,7 +197,9 @@ def tokenize_sft_examples(tokenizer, examples: list[dict], max_tokens: int, max_
     pairs, dropped, longest = [], 0, 0
     for example in examples:
         prompt = build_prompt_ids(tokenizer, example["problem"])
-        completion = tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        completion = tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + [
+            tokenizer.eos_token_id
+        ]
         if len(prompt) + len(completion) > max_tokens:
             dropped += 1
             continue
@@ -178,10 +207,17 @@ def tokenize_sft_examples(tokenizer, examples: list[dict], max_tokens: int, max_
         longest = max(longest, len(prompt) + len(completion))
         if max_samples and len(pairs) >= max_samples:
             break
-    stats = {"kept": len(pairs), "dropped_too_long": dropped, "max_tokens": max_tokens, "longest_kept": longest}
+    stats = {
+        "kept": len(pairs),
+        "dropped_too_long": dropped,
+        "max_tokens": max_tokens,
+        "longest_kept": longest,
+    }
     if not pairs:
-        raise DataError(f"no SFT example fits in {max_tokens} tokens (prompt + completion); raise --sft-max-tokens "
-                        "or --max-seq-len")
+        raise DataError(
+            f"no SFT example fits in {max_tokens} tokens (prompt + completion); raise "
+            "--sft-max-tokens or --max-seq-len"
+        )
     return pairs, stats
 
 
@@ -233,12 +269,17 @@ BENCHMARKS = {
     "math500-l5": Benchmark(
         (HubSource("HuggingFaceH4/MATH-500", "test", "problem", "answer", level=5),), paper_size=134
     ),
-    "minerva": Benchmark((HubSource("math-ai/minervamath", "test", "question", "answer"),), paper_size=272),
+    "minerva": Benchmark(
+        (HubSource("math-ai/minervamath", "test", "question", "answer"),), paper_size=272
+    ),
     # Xie et al. 2024, all seven test files (2 to 8 people, 100 puzzles each).
     "knights-and-knaves": Benchmark(
         (
             HubSource(
-                "K-and-K/knights-and-knaves", "train", "quiz", "solution_text_format",
+                "K-and-K/knights-and-knaves",
+                "train",
+                "quiz",
+                "solution_text_format",
                 data_files="test/people*_num100.jsonl",
             ),
         ),
@@ -247,7 +288,9 @@ BENCHMARKS = {
 }
 
 
-def rows_to_problems(rows: list[dict], problem_key: str, answer_key: str, grader: str, where: str) -> list[Problem]:
+def rows_to_problems(
+    rows: list[dict], problem_key: str, answer_key: str, grader: str, where: str
+) -> list[Problem]:
     require_fields(rows, (problem_key, answer_key), where, "--problem-key / --answer-key")
     return [Problem(str(row[problem_key]), str(row[answer_key]), grader) for row in rows]
 
@@ -259,24 +302,37 @@ def load_benchmark(name: str) -> list[Problem]:
     then serves offline runs, e.g. with HF_HUB_OFFLINE=1), or pass a local file.
     """
     if name not in BENCHMARKS:
-        raise DataError(f"unknown benchmark {name!r}; use one of {', '.join(BENCHMARKS)} or a .jsonl/.parquet file")
+        raise DataError(
+            f"unknown benchmark {name!r}; use one of {', '.join(BENCHMARKS)} "
+            "or a .jsonl/.parquet file"
+        )
     benchmark, problems = BENCHMARKS[name], []
     for source in benchmark.sources:
         try:
             rows = load_rows(source.path, source.config, source.split, source.data_files)
         except DataError as error:
-            raise DataError(f"benchmark {name!r}: {error} with --problem-key/--answer-key") from None
+            raise DataError(
+                f"benchmark {name!r}: {error} with --problem-key/--answer-key"
+            ) from None
         if source.level is not None:
-            rows = [row for row in rows if str(row["level"]).removeprefix("Level ") == str(source.level)]
-        problems += rows_to_problems(rows, source.problem_key, source.answer_key, benchmark.grader, source.path)
+            rows = [
+                row for row in rows if str(row["level"]).removeprefix("Level ") == str(source.level)
+            ]
+        problems += rows_to_problems(
+            rows, source.problem_key, source.answer_key, benchmark.grader, source.path
+        )
     if benchmark.paper_size and len(problems) != benchmark.paper_size:
-        print(f"[data] note: {name} has {len(problems)} problems here, {benchmark.paper_size} in the paper",
-              file=sys.stderr)
+        print(
+            f"[data] note: {name} has {len(problems)} problems here, "
+            f"{benchmark.paper_size} in the paper",
+            file=sys.stderr,
+        )
     return problems
 
 
-def resolve_benchmarks(spec: str, problem_key: str = "problem", answer_key: str = "answer",
-                       grader: str = "math") -> dict[str, tuple[str, list[Problem]]]:
+def resolve_benchmarks(
+    spec: str, problem_key: str = "problem", answer_key: str = "answer", grader: str = "math"
+) -> dict[str, tuple[str, list[Problem]]]:
     """``aime,amc23,path/to/mine.jsonl`` -> {name: (source, problems)}; files are named by stem."""
     if grader not in GRADERS:
         raise DataError(f"unknown grader {grader!r}; use one of {', '.join(GRADERS)}")

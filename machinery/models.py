@@ -5,8 +5,9 @@
   checkpointing for long completions. Fine-tuning every weight keeps them in float32 on CUDA too:
   an AdamW step of lr = 5e-6 is smaller than half a bf16 step of any weight above 2e-3 in size,
   so in bf16 most updates would round away and training would silently stall.
-* On the CPU, freed activations stay with the process for the next micro-batch (``keep_freed_memory``)
-  instead of going back to the kernel and faulting in again, zero-filled, at their next use.
+* On the CPU, freed activations stay with the process for the next micro-batch
+  (``keep_freed_memory``) instead of going back to the kernel and faulting in again,
+  zero-filled, at their next use.
 * The policy is the base with LoRA adapters on the attention and MLP projections (the paper runs
   everything with LoRA rank 8). Its reference policy pi_ref is the same weights with the adapter
   switched off: no second copy. Fine-tuning every weight keeps a frozen copy instead, and is
@@ -27,7 +28,7 @@ from peft import LoraConfig, get_peft_model
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from data import first_line
+from machinery.data import first_line
 
 
 def device_and_dtype(full_finetune: bool = False) -> tuple[torch.device, torch.dtype]:
@@ -38,7 +39,8 @@ def device_and_dtype(full_finetune: bool = False) -> tuple[torch.device, torch.d
 
 
 def attention_implementation(dtype: torch.dtype) -> str:
-    """flash-attention 2 on CUDA in bf16 when transformers finds a working build, else PyTorch's SDPA."""
+    """flash-attention 2 on CUDA in bf16 when transformers finds a working build, else PyTorch's
+    SDPA."""
     if not torch.cuda.is_available() or dtype not in (torch.bfloat16, torch.float16):
         return "sdpa"
     try:
@@ -46,7 +48,9 @@ def attention_implementation(dtype: torch.dtype) -> str:
 
         if is_flash_attn_2_available():
             return "flash_attention_2"
-    except Exception as error:  # a wheel built for another torch fails at import (undefined symbols)
+    except (
+        Exception
+    ) as error:  # a wheel built for another torch fails at import (undefined symbols)
         tqdm.write(f"note: flash-attn does not load ({type(error).__name__}); using PyTorch SDPA")
     return "sdpa"
 
@@ -83,21 +87,31 @@ def keep_freed_memory(largest_reused_block: int = 32 * 2**20, kept_free: int = 2
         mallopt = libc.mallopt
     except (OSError, TypeError, AttributeError):
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, largest_reused_block)) and bool(mallopt(M_TRIM_THRESHOLD, kept_free))
+    return bool(mallopt(M_MMAP_THRESHOLD, largest_reused_block)) and bool(
+        mallopt(M_TRIM_THRESHOLD, kept_free)
+    )
 
 
-def load_base_model(path: str, gradient_checkpointing: bool = False, device: str | None = None,
-                    full_finetune: bool = False):
+def load_base_model(
+    path: str,
+    gradient_checkpointing: bool = False,
+    device: str | None = None,
+    full_finetune: bool = False,
+):
     """The base model and tokenizer from a hub name or a local directory, with a clear error;
     on ``device`` (default: the GPU if there is one), in its dtype."""
     default_device, dtype = device_and_dtype(full_finetune)
     device = device or default_device
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention_implementation(dtype))
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attention_implementation(dtype)
+        )
     except (OSError, ValueError) as error:
-        raise SystemExit(f"error: cannot load model {path!r} ({first_line(error)}); pass a local model "
-                         "directory or a cached hub name") from None
+        raise SystemExit(
+            f"error: cannot load model {path!r} ({first_line(error)}); pass a local model "
+            "directory or a cached hub name"
+        ) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if gradient_checkpointing:
@@ -112,7 +126,13 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def wrap_lora(model, rank: int, alpha: int):
     """LoRA adapters on the attention and MLP projections (paper: rank 8)."""
-    lora = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    lora = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=0.0,
+        target_modules=LORA_TARGETS,
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, lora)
 
 
@@ -148,28 +168,38 @@ def make_optimizer(model, lr: float, weight_decay: float, total_steps: int, warm
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def full_finetune_bytes(num_parameters: int, dtype_bytes: int, with_reference: bool, with_engine: bool,
-                        engine_bytes: int = 2) -> int:
+def full_finetune_bytes(
+    num_parameters: int,
+    dtype_bytes: int,
+    with_reference: bool,
+    with_engine: bool,
+    engine_bytes: int = 2,
+) -> int:
     """Memory that full fine-tuning holds for its weights alone: the weights, their gradients,
     AdamW's two moments (PyTorch keeps them in the weights' dtype), the frozen reference copy (when
     there is a KL anchor), all in ``dtype_bytes``, and the colocated engine's copy in
-    ``engine_bytes`` (bf16). Activations come on top.
+    ``engine_bytes`` (bf16). Activations come on top. Qwen2.5-7B on CUDA:
 
-    >>> round(full_finetune_bytes(7_615_616_512, 4, with_reference=True, with_engine=True) / 1e9)  # Qwen2.5-7B, CUDA
+    >>> round(full_finetune_bytes(7_615_616_512, 4, with_reference=True, with_engine=True) / 1e9)
     168
     """
-    return num_parameters * (dtype_bytes * (4 + int(with_reference)) + engine_bytes * int(with_engine))
+    return num_parameters * (
+        dtype_bytes * (4 + int(with_reference)) + engine_bytes * int(with_engine)
+    )
 
 
 def check_full_finetune_fits(model_path: str, with_reference: bool, with_engine: bool) -> None:
-    """Refuse --full-finetune, before anything is loaded, when the weights alone would not fit the
-    device (a 7B model needs ~168 GB with float32 weights): a one-line error naming what would fit."""
+    """Refuse --full-finetune, before anything is loaded, when the weights alone would not fit
+    the device (a 7B model needs ~168 GB with float32 weights): a one-line error naming what
+    would fit."""
     try:
         model_config = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError):
         return  # load_base_model reports an unreadable model
     with torch.device("meta"):
-        num_parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters())
+        num_parameters = sum(
+            p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters()
+        )
     device, dtype = device_and_dtype(full_finetune=True)
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     if device.type == "cuda":
@@ -177,12 +207,20 @@ def check_full_finetune_fits(model_path: str, with_reference: bool, with_engine:
     else:
         available, where = psutil.virtual_memory().total, "this machine has"
     engine_bytes = 2 if device.type == "cuda" else dtype_bytes  # the engine runs in bf16 on CUDA
-    needed = full_finetune_bytes(num_parameters, dtype_bytes, with_reference, with_engine, engine_bytes)
+    needed = full_finetune_bytes(
+        num_parameters, dtype_bytes, with_reference, with_engine, engine_bytes
+    )
     if needed > 0.9 * available:
-        largest = 0.9 * available / full_finetune_bytes(1, dtype_bytes, with_reference, with_engine, engine_bytes)
+        largest = (
+            0.9
+            * available
+            / full_finetune_bytes(1, dtype_bytes, with_reference, with_engine, engine_bytes)
+        )
         raise SystemExit(
-            f"error: --full-finetune of a {num_parameters / 1e9:.1f}B-parameter model needs about {needed / 1e9:.0f} GB "
-            f"for weights, gradients, AdamW states{', a frozen reference' if with_reference else ''}"
-            f"{' and the engine copy' if with_engine else ''}, but {where} {available / 1e9:.0f} GB: "
-            f"drop --full-finetune (LoRA, the paper's setting) or use a model of at most {largest / 1e9:.1f}B parameters"
+            f"error: --full-finetune of a {num_parameters / 1e9:.1f}B-parameter model needs about "
+            f"{needed / 1e9:.0f} GB for weights, gradients, AdamW states"
+            f"{', a frozen reference' if with_reference else ''}"
+            f"{' and the engine copy' if with_engine else ''}, but "
+            f"{where} {available / 1e9:.0f} GB: drop --full-finetune (LoRA, the paper's setting) "
+            f"or use a model of at most {largest / 1e9:.1f}B parameters"
         )

@@ -30,12 +30,13 @@ import math
 import os
 import re
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from math_verify import parse, verify
 
-from grading_pool import DEFAULT_TIMEOUT_S as GRADE_TIMEOUT_S
-from grading_pool import GradingPool
+from machinery.cli import UsageError
+from machinery.grading_pool import DEFAULT_TIMEOUT_S as GRADE_TIMEOUT_S
+from machinery.grading_pool import GradingPool
 
 # --------------------------------------------------------------------------------------------
 # 1-2. The prompt and the answer format (App. E.4)
@@ -53,7 +54,10 @@ GRADERS = ("math", "knights_knaves")
 def build_prompt_ids(tokenizer, problem: str) -> list[int]:
     """The chat template applied once: the paper's system prompt, the problem as the user
     message, the assistant turn opened."""
-    return chat_ids(tokenizer, [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem}])
+    return chat_ids(
+        tokenizer,
+        [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": problem}],
+    )
 
 
 def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
@@ -194,7 +198,8 @@ def grade(completion: str, answer: str, grader: str = "math") -> bool:
     each step; in other threads they cannot, so use ``grade_batch`` (a pool with hard timeouts)
     for anything untrusted in bulk.
 
-    >>> grade("<start_working_out> ... <end_working_out><SOLUTION> 1/2 </SOLUTION>", "\\\\frac{1}{2}")
+    >>> reply = "<start_working_out> ... <end_working_out><SOLUTION> 1/2 </SOLUTION>"
+    >>> grade(reply, "\\\\frac{1}{2}")
     True
     >>> grade("so the answer is \\\\boxed{0.5}", "1/2")
     True
@@ -209,7 +214,9 @@ def grade(completion: str, answer: str, grader: str = "math") -> bool:
 
 def grading_pool(num_workers: int | None = None, timeout_s: float = GRADE_TIMEOUT_S) -> GradingPool:
     """A pool of workers that run ``grade_in_worker`` (close it, or use it as a context manager)."""
-    return GradingPool("task:grade_in_worker", num_workers=num_workers, timeout_s=timeout_s)
+    return GradingPool(
+        "machinery.task:grade_in_worker", num_workers=num_workers, timeout_s=timeout_s
+    )
 
 
 _default_pool: GradingPool | None = None
@@ -251,7 +258,9 @@ def grade_batch(
 # --------------------------------------------------------------------------------------------
 
 
-def math_reward(completions: Sequence[str], problems: Sequence[str], answers: Sequence[str]) -> list[float]:
+def math_reward(
+    completions: Sequence[str], problems: Sequence[str], answers: Sequence[str]
+) -> list[float]:
     """r(x, y) = 1 if the completion's final answer equals the reference (Math-Verify), else 0.
 
     A reward function takes a batch of completions (decoded text), their problems and their
@@ -260,15 +269,17 @@ def math_reward(completions: Sequence[str], problems: Sequence[str], answers: Se
     return [float(correct) for correct in grade_batch(completions, answers)]
 
 
-class RewardError(ValueError):
+class RewardError(UsageError):
     """A reward function that cannot be used; the message names the problem and the fix."""
 
 
-def load_reward_function(spec: str) -> Callable[[Sequence[str], Sequence[str], Sequence[str]], list[float]]:
+def load_reward_function(
+    spec: str,
+) -> Callable[[Sequence[str], Sequence[str], Sequence[str]], list[float]]:
     """The reward named by ``--reward``: "" for ``math_reward``, else ``module:function`` (an
     importable module) or ``path/to/file.py:function``, wrapped by ``checked_reward``.
 
-    >>> load_reward_function("task:math_reward").__name__
+    >>> load_reward_function("machinery.task:math_reward").__name__
     'math_reward'
     """
     if not spec:
@@ -280,7 +291,9 @@ def load_reward_function(spec: str) -> Callable[[Sequence[str], Sequence[str], S
         if where.endswith(".py"):
             if not os.path.isfile(where):
                 raise RewardError(f"--reward {spec!r}: no file {where!r}")
-            module_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
+            module_spec = importlib.util.spec_from_file_location(
+                os.path.splitext(os.path.basename(where))[0], where
+            )
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
@@ -289,34 +302,47 @@ def load_reward_function(spec: str) -> Callable[[Sequence[str], Sequence[str], S
         raise
     except Exception as error:  # noqa: BLE001 -- whatever the user's module raises on import
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise RewardError(f"--reward {spec!r}: cannot import {where!r} ({type(error).__name__}: {first[:160]}); "
-                          "pass an importable module or a .py file") from None
+        raise RewardError(
+            f"--reward {spec!r}: cannot import {where!r} ({type(error).__name__}: {first[:160]}); "
+            "pass an importable module or a .py file"
+        ) from None
     function = getattr(module, name, None)
     if not callable(function):
         raise RewardError(f"--reward {spec!r}: {where!r} has no function {name!r}")
     try:
         inspect.signature(function).bind(["completion"], ["problem"], ["answer"])
     except (TypeError, ValueError):
-        raise RewardError(f"--reward {spec!r}: a reward takes (completions, problems, answers), three lists, "
-                          f"and returns one float per completion; {name}{inspect.signature(function)} does not") from None
+        raise RewardError(
+            f"--reward {spec!r}: a reward takes (completions, problems, answers), three lists, "
+            f"and returns one float per completion; {name}{inspect.signature(function)} does not"
+        ) from None
     return checked_reward(function, spec)
 
 
 def checked_reward(function: Callable, name: str) -> Callable:
-    """``function`` with its output checked: one finite number per completion, else a one-line error."""
+    """``function`` with its output checked: one finite number per completion, else a one-line
+    error."""
 
-    def reward(completions: Sequence[str], problems: Sequence[str], answers: Sequence[str]) -> list[float]:
+    def reward(
+        completions: Sequence[str], problems: Sequence[str], answers: Sequence[str]
+    ) -> list[float]:
         values = function(list(completions), list(problems), list(answers))
         try:
             values = [float(value) for value in values]
         except (TypeError, ValueError):
-            raise RewardError(f"reward {name} returned {type(values).__name__} {str(values)[:80]}; it must return one "
-                              "float per completion") from None
+            raise RewardError(
+                f"reward {name} returned {type(values).__name__} {str(values)[:80]}; it must "
+                "return one float per completion"
+            ) from None
         if len(values) != len(completions):
-            raise RewardError(f"reward {name} returned {len(values)} values for {len(completions)} completions")
+            raise RewardError(
+                f"reward {name} returned {len(values)} values for {len(completions)} completions"
+            )
         bad = next((i for i, value in enumerate(values) if not math.isfinite(value)), None)
         if bad is not None:
-            raise RewardError(f"reward {name} returned {values[bad]} for completion {bad}: rewards must be finite")
+            raise RewardError(
+                f"reward {name} returned {values[bad]} for completion {bad}: rewards must be finite"
+            )
         return values
 
     reward.__name__ = getattr(function, "__name__", "reward")

@@ -17,17 +17,18 @@ import math
 import os
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import matplotlib
 import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-import cli
-from loss import collate, completion_logps
-from runs import atomic_output, read_jsonl, write_json_atomic
+from loss import completion_logps
+from machinery import cli
+from machinery.batches import collate
+from machinery.runs import atomic_output, read_jsonl, write_json_atomic
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -42,10 +43,15 @@ class AnalysisError(ValueError):
 # --------------------------------------------------------------------------------------------
 
 REASONING_PATTERNS = {
-    "constraint_setup": re.compile(r"\blet\s+(?:\$|\\\(\s*)?[a-z]\b|\bdenot(?:e|es|ed|ing)\b", re.IGNORECASE),
-    "structural_reasoning": re.compile(r"\b(?:of|in) the form\b|\bdecompos(?:e|es|ed|ing|ition)\b", re.IGNORECASE),
+    "constraint_setup": re.compile(
+        r"\blet\s+(?:\$|\\\(\s*)?[a-z]\b|\bdenot(?:e|es|ed|ing)\b", re.IGNORECASE
+    ),
+    "structural_reasoning": re.compile(
+        r"\b(?:of|in) the form\b|\bdecompos(?:e|es|ed|ing|ition)\b", re.IGNORECASE
+    ),
     "proof_by_contradiction": re.compile(
-        r"\b(?:for|by) (?:the sake of )?contradiction\b|\b(?:leads?|leading) to a contradiction\b", re.IGNORECASE
+        r"\b(?:for|by) (?:the sake of )?contradiction\b|\b(?:leads?|leading) to a contradiction\b",
+        re.IGNORECASE,
     ),
 }
 
@@ -56,13 +62,19 @@ def pattern_frequencies(correct_solutions: Sequence[Sequence[str]]) -> dict[str,
     ``correct_solutions[x]`` is C_x, the correct solutions of problem x; problems with none are
     left out of N (1/|C_x| is undefined for them).
 
-    >>> pattern_frequencies([["Let x be the side.", "Direct count."], ["Assume for contradiction ..."], []])
-    {'constraint_setup': 0.25, 'structural_reasoning': 0.0, 'proof_by_contradiction': 0.5, 'num_problems': 2}
+    >>> pattern_frequencies(
+    ...     [["Let x be the side.", "Direct count."], ["Assume for contradiction ..."], []]
+    ... )  # doctest: +NORMALIZE_WHITESPACE
+    {'constraint_setup': 0.25, 'structural_reasoning': 0.0, 'proof_by_contradiction': 0.5,
+     'num_problems': 2}
     """
     solved = [solutions for solutions in correct_solutions if solutions]
     out = {}
     for name, detector in REASONING_PATTERNS.items():
-        per_problem = [sum(bool(detector.search(y)) for y in solutions) / len(solutions) for solutions in solved]
+        per_problem = [
+            sum(bool(detector.search(y)) for y in solutions) / len(solutions)
+            for solutions in solved
+        ]
         out[name] = sum(per_problem) / len(per_problem) if per_problem else 0.0
     out["num_problems"] = len(solved)
     return out
@@ -87,7 +99,9 @@ def _labelled(entries: Sequence[str]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for entry in entries:
         label, path = _split_label(entry)
-        out.setdefault(label or os.path.basename(os.path.dirname(os.path.abspath(path))), []).append(path)
+        out.setdefault(
+            label or os.path.basename(os.path.dirname(os.path.abspath(path))), []
+        ).append(path)
     return out
 
 
@@ -107,19 +121,30 @@ def read_completions(paths: Sequence[str]) -> dict[tuple[str, int], dict]:
     return merged
 
 
-def completion_perplexities(model, prompts: Sequence[list[int]], completions: Sequence[list[int]],
-                            batch_size: int = 8, progress: bool = True) -> list[float]:
+def completion_perplexities(
+    model,
+    prompts: Sequence[list[int]],
+    completions: Sequence[list[int]],
+    batch_size: int = 8,
+    progress: bool = True,
+) -> list[float]:
     """Eq. 39: PPL(y | x) = exp(-(1/|y|) sum_t log pi_base(y_t | x, y_<t)) for each pair.
 
-    The forward pass is the trainer's (loss.collate + loss.completion_logps: left-padded prompts
-    with true positions, only completion positions projected to the vocabulary).
+    The forward pass is the trainer's (machinery.batches.collate + loss.completion_logps:
+    left-padded prompts with true positions, only completion positions projected to the
+    vocabulary).
     """
     device = next(model.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]) + len(completions[i]))
     out = [math.nan] * len(prompts)
     for start in tqdm(range(0, len(order), batch_size), desc="perplexity", disable=not progress):
         batch_rows = order[start : start + batch_size]
-        batch = collate([list(prompts[i]) for i in batch_rows], [list(completions[i]) for i in batch_rows], 0, device)
+        batch = collate(
+            [list(prompts[i]) for i in batch_rows],
+            [list(completions[i]) for i in batch_rows],
+            0,
+            device,
+        )
         with torch.no_grad():
             logps, _ = completion_logps(model, batch, 1.0, 0.0)  # [B, C]
         mask = batch["completion_mask"]
@@ -143,7 +168,11 @@ def plot_results(entries: Sequence[str], out: str) -> None:
         with open(path) as handle:
             results = json.load(handle)
         model = results.get("model", {})
-        label = label or model.get("name") or os.path.basename(str(model.get("adapter") or model.get("path") or path).rstrip("/"))
+        label = (
+            label
+            or model.get("name")
+            or os.path.basename(str(model.get("adapter") or model.get("path") or path).rstrip("/"))
+        )
         labelled[label if label not in labelled else f"{label} ({path})"] = results
     plot_pass_at_k(labelled, out)
 
@@ -152,7 +181,11 @@ def plot_pass_at_k(labelled_results: dict[str, dict], out: str) -> None:
     """pass@k against k (1, 2, 4, ... on a log axis), one panel per benchmark, one line per model,
     with the standard error of each point as an error bar, as in the paper's Figure 3."""
     names = list(dict.fromkeys(name for r in labelled_results.values() for name in r["benchmarks"]))
-    names = [name for name in names if any(r["benchmarks"].get(name, {}).get("pass_at_k") for r in labelled_results.values())]
+    names = [
+        name
+        for name in names
+        if any(r["benchmarks"].get(name, {}).get("pass_at_k") for r in labelled_results.values())
+    ]
     if not names:
         raise AnalysisError("the results files hold no finished benchmark to plot")
     fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
@@ -165,8 +198,15 @@ def plot_pass_at_k(labelled_results: dict[str, dict], out: str) -> None:
             ks = sorted(int(k) for k in summary)
             all_ks.update(ks)
             errors = [summary[str(k)].get("stderr", 0.0) for k in ks]
-            axis.errorbar(ks, [summary[str(k)]["mean"] for k in ks], yerr=errors, marker="o", markersize=3,
-                          capsize=3, label=label)
+            axis.errorbar(
+                ks,
+                [summary[str(k)]["mean"] for k in ks],
+                yerr=errors,
+                marker="o",
+                markersize=3,
+                capsize=3,
+                label=label,
+            )
         axis.set_xscale("log", base=2)
         axis.set_xticks(sorted(all_ks), [str(k) for k in sorted(all_ks)])
         axis.minorticks_off()
@@ -191,8 +231,9 @@ RUN_PANELS = (
 
 
 def plot_run(run_dirs: Sequence[str], out: str) -> None:
-    """A run's training curves against the step, one PNG: reward, KL, entropy, the guide's q, the
-    response length (metrics.jsonl) and pass@k of --eval-every (eval.jsonl); several runs overlay."""
+    """A run's training curves against the step, one PNG: reward, KL, entropy, the guide's q,
+    the response length (metrics.jsonl) and pass@k of --eval-every (eval.jsonl); several runs
+    overlay."""
     fig, axes = plt.subplots(2, 3, figsize=(14, 7))
     for run_dir in run_dirs:
         metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
@@ -203,15 +244,24 @@ def plot_run(run_dirs: Sequence[str], out: str) -> None:
             for key in keys:
                 points = [(row["step"], row[key]) for row in metrics if key in row]
                 if points:
-                    axis.plot(*zip(*points), label=f"{label} {key}" if len(run_dirs) > 1 else key, linewidth=1)
+                    axis.plot(
+                        *zip(*points),
+                        label=f"{label} {key}" if len(run_dirs) > 1 else key,
+                        linewidth=1,
+                    )
             axis.set_title(title)
         evaluations = read_jsonl(os.path.join(run_dir, "eval.jsonl"))
         for benchmark in sorted({row["benchmark"] for row in evaluations}):
             rows = [row for row in evaluations if row["benchmark"] == benchmark]
             for key in ("pass@1", f"pass@{rows[0]['n']}"):
                 name = f"{benchmark} {key}" if len(run_dirs) == 1 else f"{label} {benchmark} {key}"
-                axes.flat[5].plot([row["step"] for row in rows], [row[key] for row in rows], marker="o", markersize=3,
-                                  label=name)
+                axes.flat[5].plot(
+                    [row["step"] for row in rows],
+                    [row[key] for row in rows],
+                    marker="o",
+                    markersize=3,
+                    label=name,
+                )
     axes.flat[5].set_title("pass@k (--eval-every)")
     for axis in axes.flat:
         axis.set_xlabel("step")
@@ -229,10 +279,20 @@ def plot_perplexity_histogram(values: dict[str, dict[str, list[float]]], out: st
     fig, axes = plt.subplots(1, len(values), figsize=(4.5 * len(values), 3.6), squeeze=False)
     for axis, (panel, by_label) in zip(axes[0], values.items()):
         finite = [v for vs in by_label.values() for v in vs if math.isfinite(v)]
-        bins = 30 if not finite else [min(finite) + i * (max(finite) - min(finite) + 1e-9) / 30 for i in range(31)]
+        bins = (
+            30
+            if not finite
+            else [min(finite) + i * (max(finite) - min(finite) + 1e-9) / 30 for i in range(31)]
+        )
         for label, ppl in by_label.items():
-            axis.hist([v for v in ppl if math.isfinite(v)], bins=bins, histtype="step", density=True,
-                      linewidth=1.5, label=f"{label} (n={len(ppl)})")
+            axis.hist(
+                [v for v in ppl if math.isfinite(v)],
+                bins=bins,
+                histtype="step",
+                density=True,
+                linewidth=1.5,
+                label=f"{label} (n={len(ppl)})",
+            )
         axis.set_title(panel)
         axis.set_xlabel("perplexity under the base model")
         axis.set_ylabel("density")
@@ -254,8 +314,9 @@ def _save_figure(fig, out: str) -> None:
 
 @dataclass(kw_only=True)
 class PlotArgs:
-    """python evaluate.py plot [LABEL=]A.json [LABEL=]B.json --out passk.png: pass@k curves (Figure 3).
-    python evaluate.py plot runs/NAME [runs/OTHER]: a run's training curves (runs/NAME/curves.png)."""
+    """python evaluate.py plot [LABEL=]A.json [LABEL=]B.json --out passk.png: pass@k curves
+    (Figure 3). python evaluate.py plot runs/NAME [runs/OTHER]: a run's training curves
+    (runs/NAME/curves.png)."""
 
     results: list[str] = cli.positional()
     """Results files of evaluate.py (optionally LABEL=PATH), or run directories of sage.py."""
@@ -265,7 +326,8 @@ class PlotArgs:
 
 @dataclass(kw_only=True)
 class PatternsArgs:
-    """python evaluate.py patterns [LABEL=]DIR/aime.seed0.jsonl ... (files from --save-completions)"""
+    """python evaluate.py patterns [LABEL=]DIR/aime.seed0.jsonl ...
+    (files from --save-completions)"""
 
     completions: list[str] = cli.positional()
     """--save-completions files, optionally LABEL=PATH."""
@@ -319,13 +381,18 @@ def run_patterns(args: PatternsArgs) -> dict:
     table = {}
     for label, paths in _labelled(args.completions).items():
         rows = read_completions(paths)
-        solutions = [[c["text"] for c in row["completions"] if c["correct"]] for row in rows.values()]
+        solutions = [
+            [c["text"] for c in row["completions"] if c["correct"]] for row in rows.values()
+        ]
         table[label] = pattern_frequencies(solutions)
     names = list(REASONING_PATTERNS)
     print("model".ljust(24) + "".join(name.rjust(24) for name in names) + "problems".rjust(10))
     for label, freqs in table.items():
-        print(label[:23].ljust(24) + "".join(f"{freqs[name]:24.3f}" for name in names)
-              + str(freqs["num_problems"]).rjust(10))
+        print(
+            label[:23].ljust(24)
+            + "".join(f"{freqs[name]:24.3f}" for name in names)
+            + str(freqs["num_problems"]).rjust(10)
+        )
     if args.out:
         write_json_atomic(args.out, table)
     return table
@@ -342,7 +409,9 @@ def run_perplexity(args: PerplexityArgs) -> dict:
             wanted.append((benchmark, int(index)))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(args.base_model, dtype=torch_dtype).to(device).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(args.base_model, dtype=torch_dtype).to(device).eval()
+    )
     values: dict[str, dict[str, list[float]]] = {}
     for label, paths in _labelled(args.completions).items():
         rows = read_completions(paths)
@@ -351,9 +420,16 @@ def run_perplexity(args: PerplexityArgs) -> dict:
             if key not in rows:
                 raise AnalysisError(f"{label}: no problem {key[0]}:{key[1]} in {', '.join(paths)}")
             row = rows[key]
-            chosen = [c for c in row["completions"] if c["correct"] or not args.only_correct][: args.max_samples]
-            ppl = completion_perplexities(model, [row["prompt_ids"]] * len(chosen), [c["token_ids"] for c in chosen],
-                                          batch_size=args.batch_size, progress=args.progress)
+            chosen = [c for c in row["completions"] if c["correct"] or not args.only_correct][
+                : args.max_samples
+            ]
+            ppl = completion_perplexities(
+                model,
+                [row["prompt_ids"]] * len(chosen),
+                [c["token_ids"] for c in chosen],
+                batch_size=args.batch_size,
+                progress=args.progress,
+            )
             panel = f"{key[0]}:{key[1]}" if wanted is not None else "all problems"
             values.setdefault(panel, {}).setdefault(label, []).extend(ppl)
     if not any(values.values()):
@@ -364,5 +440,8 @@ def run_perplexity(args: PerplexityArgs) -> dict:
     return values
 
 
-SUBCOMMANDS = {"plot": (PlotArgs, run_plot), "patterns": (PatternsArgs, run_patterns),
-               "perplexity": (PerplexityArgs, run_perplexity)}
+SUBCOMMANDS = {
+    "plot": (PlotArgs, run_plot),
+    "patterns": (PatternsArgs, run_patterns),
+    "perplexity": (PerplexityArgs, run_perplexity),
+}

@@ -1,0 +1,91 @@
+"""DAPO's dynamic sampling and overlong shaping (Yu et al. 2025), behind ``--dynamic-sampling``
+and ``--overlong-buffer`` (the ``--algo dapo`` preset turns the first on).
+
+A group whose G rewards are all equal has advantage 0 everywhere and teaches nothing. Dynamic
+sampling drops such groups and samples fresh prompts until the step holds ``--prompts-per-step``
+groups with signal (or ``--max-refill-rounds`` extra rounds are spent, and the step trains on what
+it has). Overlong shaping lowers the reward of completions that run into the length limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+import rollout
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling and overlong shaping."""
+
+    dynamic_sampling: bool = False
+    """DAPO: drop all-equal-reward groups and refill (on in the dapo preset)."""
+    max_refill_rounds: int = 4
+    """DAPO dynamic sampling: extra rollout rounds at most before training on what is left."""
+    overlong_buffer: int = 0
+    """DAPO overlong shaping L_cache in tokens (0: off)."""
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int) -> torch.Tensor:
+    """DAPO: 0 up to L_max - L_cache, then linear down to -1 at L_max, -1 beyond.
+
+    >>> overlong_penalty(torch.tensor([50.0, 90.0, 100.0, 120.0]), max_len=100, buffer=20)
+    tensor([ 0.0000, -0.5000, -1.0000, -1.0000])
+    """
+    start = max_len - buffer
+    return ((start - lengths) / buffer).clamp(-1.0, 0.0)
+
+
+def overlong_penalty_of(rollouts, config) -> torch.Tensor:
+    """The overlong penalty [N] of a step's rollouts under --overlong-buffer."""
+    max_len = config.max_seq_len - config.max_prompt_len
+    lengths = torch.tensor([len(c) for c in rollouts.completion_ids], dtype=torch.float32)
+    return overlong_penalty(lengths, max_len, config.extras["dynamic_sampling"].overlong_buffer)
+
+
+def select(rollouts, rows: list[int]):
+    """The given rows of a ``sage.Rollouts``, in order."""
+    fields = dataclasses.fields(rollouts)
+    return type(rollouts)(*([getattr(rollouts, f.name)[r] for r in rows] for f in fields))
+
+
+def concat(parts: list):
+    """``sage.Rollouts`` one after another."""
+    fields = dataclasses.fields(parts[0])
+    return type(parts[0])(*([x for part in parts for x in getattr(part, f.name)] for f in fields))
+
+
+def refill(sampler, problems: list[dict], first: tuple, config, step: int, sample):
+    """Keep the groups with signal and sample fresh prompts until the step is full.
+
+    ``first`` is (rollouts, rewards, (groups sampled, groups without signal)) of the step's first
+    round; ``sample(chosen problems, seed)`` gives (rollouts, rewards) of a round. Returns the
+    same three for the step's kept rollouts (at most prompts x G rows).
+    """
+    import sage
+
+    rollouts, rewards, (num_groups, num_zero_signal) = first
+    group_size, wanted = config.rollouts, config.prompts_per_step * config.rollouts
+    kept = [(rollouts, rewards, sage.informative_groups(rewards, group_size))]
+    for refill_round in range(1, config.extras["dynamic_sampling"].max_refill_rounds + 1):
+        if sum(int(flags.sum()) for _, _, flags in kept) * group_size >= wanted:
+            break
+        chosen = [problems[i] for i in sampler.take(config.prompts_per_step)]
+        more, more_rewards = sample(chosen, rollout.rollout_seed(config.seed, step, refill_round))
+        more_informative = sage.informative_groups(more_rewards, group_size)
+        num_groups += config.prompts_per_step
+        num_zero_signal += int((~more_informative).sum())
+        kept.append((more, more_rewards, more_informative))
+    rows = [
+        [g * group_size + i for g in flags.nonzero().flatten().tolist() for i in range(group_size)]
+        for _, _, flags in kept
+    ]
+    rollouts = concat([select(part, part_rows) for (part, _, _), part_rows in zip(kept, rows)])
+    rewards = torch.cat(
+        [part_rewards[part_rows] for (_, part_rewards, _), part_rows in zip(kept, rows)]
+    )
+    rollouts = select(rollouts, list(range(min(len(rewards), wanted))))
+    return rollouts, rewards[:wanted], (num_groups, num_zero_signal)

@@ -1,0 +1,144 @@
+"""The SFT warm start of base models before RL (App. E.2, Table 7), behind ``--sft-dataset``.
+
+Base models do not yet write the paper's answer format, so RL from them sees no reward. The
+paper first fine-tunes them on a small set of worked solutions: LoRA, 2 epochs, batch 1, lr 2e-4,
+a linear schedule with 5 warmup steps, weight decay 0.01, on examples whose whole text is at most
+half the max length (never cut: a cut example would lose its closing tag and EOS). The merged
+model, <run>/sft_model, is the base of every RL run of Table 1 (``--sft-only`` stops there).
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+import loss
+
+
+@dataclass
+class SFTConfig:
+    """SFT warm start for base models (App. E.2, Table 7)."""
+
+    sft_dataset: str = ""
+    """SFT data (e.g. unsloth/OpenMathReasoning-mini) or a local file; empty skips SFT."""
+    sft_dataset_config: str = ""
+    """Hub configuration name of the SFT dataset."""
+    sft_split: str = "cot"
+    """Split of the SFT dataset (OpenMathReasoning-mini: cot)."""
+    sft_problem_key: str = "problem"
+    """SFT field with the problem."""
+    sft_reasoning_key: str = "generated_solution"
+    """SFT field with the worked solution (placed between the working-out markers)."""
+    sft_answer_key: str = "expected_answer"
+    """SFT field with the final answer (placed between <SOLUTION> markers)."""
+    sft_max_samples: int = 500
+    """Use the first N SFT examples that fit (0: all; App. E.2 uses a small subset)."""
+    sft_max_tokens: int = 0
+    """Drop SFT examples longer than this, prompt + completion + EOS (0: half of --max-seq-len,
+    App. E.2)."""
+    sft_only: bool = False
+    """Stop after the SFT stage (its model, <run>/sft_model, is the base of every RL run of
+    Table 1)."""
+    sft_epochs: int = 2
+    """SFT epochs (paper: 2)."""
+    sft_lr: float = 2e-4
+    """SFT learning rate (paper: 2e-4)."""
+    sft_batch_size: int = 1
+    """SFT batch size (paper: 1)."""
+    sft_warmup_steps: int = 5
+    """SFT linear warmup steps (paper: 5)."""
+
+
+def sft(
+    model,
+    pairs: list[tuple[list[int], list[int]]],
+    pad_token_id: int,
+    settings: SFTConfig,
+    config,
+    progress: bool = True,
+) -> list[float]:
+    """Supervised fine-tuning on completion tokens only; returns the per-step losses.
+
+    ``config`` (a ``sage.Config``) gives the seed of the example order, AdamW's weight decay and
+    the clipping norm; ``settings`` the epochs, learning rate, batch size and warmup.
+    """
+    from machinery import models
+    from machinery.batches import collate
+
+    device = next(model.parameters()).device
+    total_steps = settings.sft_epochs * math.ceil(len(pairs) / settings.sft_batch_size)
+    optimizer, scheduler = models.make_optimizer(
+        model, settings.sft_lr, config.weight_decay, total_steps, settings.sft_warmup_steps
+    )
+    rng, losses = random.Random(config.seed), []
+    model.train()
+    with tqdm(total=total_steps, desc="sft", disable=not progress) as bar:
+        for _ in range(settings.sft_epochs):
+            order = list(range(len(pairs)))
+            rng.shuffle(order)
+            for start in range(0, len(order), settings.sft_batch_size):
+                chosen = [pairs[i] for i in order[start : start + settings.sft_batch_size]]
+                batch = collate(
+                    [p for p, _ in chosen], [c for _, c in chosen], pad_token_id, device
+                )
+                logps, _ = loss.completion_logps(model, batch, 1.0, 0.0)
+                mask = batch["completion_mask"]
+                step_loss = -(logps * mask).sum() / mask.sum()  # [B, C] -> the token mean
+                step_loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(step_loss.item())
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    return losses
+
+
+def warm_start(config, run_dir: str) -> str:
+    """SFT with LoRA, merged into the base and saved as <run>/sft_model; returns its path.
+
+    On --resume the saved model is reused. <run>/sft_stats.json records how many examples were
+    kept and how many dropped (a non-numeric answer, or longer than --sft-max-tokens).
+    """
+    from machinery import models, runs
+    from machinery.data import load_rows, sft_examples, tokenize_sft_examples
+
+    settings, final = config.extras["sft"], os.path.join(run_dir, "sft_model")
+    if config.resume and os.path.exists(os.path.join(final, "config.json")):
+        return final
+    model, tokenizer = models.load_base_model(config.model, config.gradient_checkpointing)
+    rows = load_rows(settings.sft_dataset, settings.sft_dataset_config, settings.sft_split)
+    examples, not_numeric = sft_examples(
+        rows,
+        settings.sft_problem_key,
+        settings.sft_reasoning_key,
+        settings.sft_answer_key,
+        settings.sft_dataset,
+    )
+    max_tokens = settings.sft_max_tokens or config.max_seq_len // 2
+    pairs, stats = tokenize_sft_examples(tokenizer, examples, max_tokens, settings.sft_max_samples)
+    runs.write_json_atomic(
+        os.path.join(run_dir, "sft_stats.json"), {**stats, "dropped_not_numeric": not_numeric}
+    )
+    tqdm.write(
+        f"sft: {stats['kept']} examples of at most {max_tokens} tokens "
+        f"({stats['dropped_too_long']} longer ones and {not_numeric} non-numeric ones dropped)"
+    )
+    model = models.wrap_lora(model, config.lora_rank, config.lora_alpha)
+    sft(model, pairs, tokenizer.pad_token_id, settings, config)
+    final = runs.save_model_atomic(model.merge_and_unload(), tokenizer, final)
+    if settings.sft_only:  # Table 1's recipe: one SFT model, the base of every RL row
+        tqdm.write(f"sft: saved {final}; --sft-only, so no RL")
+        raise SystemExit(0)
+    del model
+    gc.collect()  # return the SFT model's GPU memory before RL loads its own
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return final

@@ -1,0 +1,223 @@
+"""Where a run's numbers go: metrics.jsonl always, TensorBoard and Weights & Biases on request.
+
+``--report-to jsonl,tensorboard,wandb`` picks them. Every tracker receives the same records with
+the same keys (``reward``, ``kl/ref_k3``, ``q/mean``, ``time/rollout_s``,
+``eval/<benchmark>/pass@1`` ...), one record per optimizer step, so a curve means the same thing
+in each. W&B is an optional dependency; with ``WANDB_MODE=offline`` it writes its files locally
+and needs no network (``wandb sync`` uploads them later).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from tqdm import tqdm
+
+from machinery import runs
+from machinery.cli import UsageError
+
+TRACKERS = ("jsonl", "tensorboard", "wandb")
+
+
+class TrackerError(UsageError):
+    """A tracker that cannot be used as asked; the message names the fix."""
+
+
+def parse_report_to(spec: str) -> list[str]:
+    """``"tensorboard,wandb"`` -> ["jsonl", "tensorboard", "wandb"] (jsonl is always on).
+
+    >>> parse_report_to("wandb"), parse_report_to("")
+    (['jsonl', 'wandb'], ['jsonl'])
+    """
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    unknown = [name for name in names if name not in TRACKERS]
+    if unknown:
+        raise TrackerError(
+            f"unknown --report-to {unknown[0]!r}: choose among {', '.join(TRACKERS)}"
+        )
+    return ["jsonl"] + [name for name in TRACKERS[1:] if name in names]
+
+
+class Trackers:
+    """The run's trackers: ``log(record, step)`` sends one record to each, ``close()`` ends them."""
+
+    def __init__(
+        self, report_to: str, run_dir: str, run_name: str, config: dict, resume: bool = False
+    ):
+        self.names = parse_report_to(report_to)
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self.tensorboard = self.wandb = None
+        if "tensorboard" in self.names:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise TrackerError(
+                    "--report-to tensorboard needs the tensorboard package: pip install tensorboard"
+                ) from None
+            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if "wandb" in self.names:
+            try:
+                import wandb
+            except ImportError:
+                raise TrackerError(
+                    "--report-to wandb needs the wandb package: pip install wandb"
+                ) from None
+            # The run's id is its name, so --resume continues the same W&B run.
+            self.wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "sage-rl"),
+                name=run_name,
+                id=run_name.replace("/", "-"),
+                dir=run_dir,
+                config=config,
+                resume="allow" if resume else None,
+            )
+
+    def log(self, record: dict, step: int) -> None:
+        runs.append_jsonl(self.metrics_path, record)
+        numbers = {
+            key: value
+            for key, value in record.items()
+            if isinstance(value, (int, float)) and key != "step" and math.isfinite(value)
+        }
+        if self.tensorboard is not None:
+            for key, value in numbers.items():
+                self.tensorboard.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
+
+    def log_extra(self, values: dict, step: int) -> None:
+        """Numbers that have a file of their own (evaluations: eval.jsonl) to the other trackers."""
+        if self.tensorboard is not None:
+            for key, value in values.items():
+                self.tensorboard.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+# --------------------------------------------------------------------------------------------
+# What a run shows and records: the progress bar, metrics.jsonl, trackers, evaluations
+# --------------------------------------------------------------------------------------------
+
+
+class RunLogger:
+    """A run's records: one metrics.jsonl line per step (and the --report-to trackers), the
+    progress bar, the zero-reward warning, and pass@k every --eval-every steps into eval.jsonl."""
+
+    def __init__(self, config, run_dir: str, tokenizer):
+        self.config, self.run_dir, self.tokenizer = config, run_dir, tokenizer
+        self.benchmarks = self._benchmarks(config)
+        self.trackers = Trackers(
+            config.report_to,
+            run_dir,
+            os.path.basename(run_dir),
+            dataclasses.asdict(config),
+            config.resume,
+        )
+        self.zero_reward_streak = 0
+        self.progress, self.finished = None, False
+
+    @staticmethod
+    def _benchmarks(config) -> dict:
+        """What --eval-every evaluates: {name: [Problem]}."""
+        from machinery.data import resolve_benchmarks
+
+        if config.eval.eval_every <= 0:
+            return {}
+        if not config.eval.eval_benchmarks:
+            raise SystemExit(
+                "error: --eval-every needs --eval-benchmarks (names such as aime, or local "
+                ".jsonl files with problem and answer fields)"
+            )
+        return {
+            name: problems
+            for name, (_, problems) in resolve_benchmarks(config.eval.eval_benchmarks).items()
+        }
+
+    def progress_bar(self, start: int):
+        self.finished = start >= self.config.steps
+        self.progress = tqdm(
+            range(start, self.config.steps), desc="rl", initial=start, total=self.config.steps
+        )
+        return self.progress
+
+    def log_step(self, step: int, rollouts, rewards, metrics: dict, timer, lr: float) -> None:
+        """One line of metrics.jsonl (and the trackers), the progress bar's figures, the warning."""
+        lengths = [len(c) for c in rollouts.completion_ids]
+        record = {
+            "step": step,
+            "reward": rewards.mean().item(),
+            "accuracy": (rewards > 0.5).float().mean().item(),
+            "response_length": sum(lengths) / max(1, len(lengths)),
+            "frac_truncated": sum(r == "length" for r in rollouts.finish_reasons)
+            / max(1, len(lengths)),
+            "lr": lr,
+            **metrics,
+            **timer.record(),
+        }
+        self.trackers.log(record, step)
+        self.finished = step + 1 == self.config.steps
+        self.progress.set_postfix(
+            reward=f"{record['reward']:.3f}", kl=f"{record.get('kl/ref_k3', 0.0):.4f}"
+        )
+        all_zero = rewards.numel() == 0 or rewards.max() <= 0
+        self.zero_reward_streak = self.zero_reward_streak + 1 if all_zero else 0
+        if self.zero_reward_streak == self.config.zero_reward_warning:
+            tqdm.write(
+                f"warning: {self.zero_reward_streak} steps in a row with all-zero rewards: no "
+                "learning signal; check the answer format and the reward, or warm-start with "
+                "--sft-dataset"
+            )
+
+    def evaluate(self, engine, updates: int, first: bool = False) -> None:
+        """pass@k after ``updates`` optimizer steps, when due: before the first step (``first``,
+        not on a resume), every --eval-every steps and after the last. Rows go to eval.jsonl and
+        the trackers."""
+        from evaluate import EvalSampling, evaluation_rows
+
+        every, config = self.config.eval.eval_every, self.config
+        if not self.benchmarks or not (updates % every == 0 or updates == config.steps):
+            return
+        if first and updates > 0:  # a resumed run: this evaluation is in eval.jsonl already
+            return
+        sampling = EvalSampling(
+            temperature=config.eval.eval_temperature,
+            top_p=config.eval.eval_top_p,
+            top_k=config.top_k,
+            min_p=config.min_p,
+            max_tokens=config.max_seq_len - config.max_prompt_len,
+        )
+        rows = evaluation_rows(
+            engine,
+            self.tokenizer,
+            self.benchmarks,
+            config.eval.eval_n,
+            config.seed,
+            sampling,
+            updates,
+        )
+        for row in rows:
+            runs.append_jsonl(os.path.join(self.run_dir, "eval.jsonl"), row)
+            self.trackers.log_extra(
+                {
+                    f"eval/{row['benchmark']}/{key}": value
+                    for key, value in row.items()
+                    if key.startswith("pass@")
+                },
+                row["step"],
+            )
+            n = row["n"]
+            tqdm.write(
+                f"eval after {row['step']} steps, {row['benchmark']}: pass@1 "
+                f"{row['pass@1']:.3f}, pass@{n} {row[f'pass@{n}']:.3f}"
+            )
+
+    def close(self) -> None:
+        self.trackers.close()

@@ -1,0 +1,109 @@
+"""Every bad flag of sage.py is stopped before anything loads: one line naming the flag, exit 2,
+no run directory. The sweep takes every numeric flag from the checks' own table, so a flag added
+there is swept too; the subprocess cases are the ones a user types."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+import sage
+from machinery import flag_checks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def numeric_flags():
+    config = sage.parse_config(["--model", "m"])
+    return [(flag, rule) for flag, _, rule in flag_checks.numeric_rules(config)]
+
+
+def bad_values(rule):
+    """nan and inf always; a negative number unless the rule allows one; zero where it is out."""
+    values = ["nan", "inf"]
+    for value in ("-5", "0"):
+        if not flag_checks.in_range(float(value), rule):
+            values.append(value)
+    return values
+
+
+CASES = [(flag, value) for flag, rule in numeric_flags() for value in bad_values(rule)]
+
+
+@pytest.mark.parametrize("flag, value", CASES)
+def test_a_bad_number_is_one_line_naming_its_flag(flag, value, capsys):
+    with pytest.raises(SystemExit) as stop:
+        sage.parse_config(["--model", "m", flag, value])
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("sage.py: error: ") and flag in last, last
+
+
+def test_the_sweep_covers_every_numeric_flag():
+    flags = {flag for flag, _ in numeric_flags()}
+    config = sage.parse_config(["--model", "m"])
+    numeric = set()
+    for section in (config, config.loss, config.guide, config.eval, *config.extras.values()):
+        for field in dataclasses.fields(section):
+            value, flag = getattr(section, field.name), field.metadata.get("flag", field.name)
+            if flag and isinstance(value, (int, float)) and not isinstance(value, bool):
+                numeric.add(flag.replace("-", "_"))
+    named = {flag.removeprefix("--").replace("-", "_") for flag in flags}
+    unchecked = numeric - named
+    assert not unchecked, f"numeric flags without a range check: {sorted(unchecked)}"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dataset", "/no/such/train.jsonl"], "--dataset /no/such/train.jsonl: no such file"),
+        (["--sft-dataset", "./no/such.jsonl"], "--sft-dataset ./no/such.jsonl: no such file"),
+        (["--eval-benchmarks", "aime,/no/such.jsonl"], "--eval-benchmarks /no/such.jsonl: no such"),
+        (["--reward", "/no/such/reward.py:f"], "no file"),
+        (["--reward", "nosuchmod_xyz:f"], "cannot import 'nosuchmod_xyz'"),
+        (["--max-prompt-len", "600", "--max-seq-len", "512"], "--max-prompt-len must be below"),
+        (["--overlong-buffer", "5000"], "--overlong-buffer must be below the completion budget"),
+    ],
+)
+def test_missing_paths_and_impossible_combinations(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        sage.parse_config(["--model", "m", *argv])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--lr", "nan"],
+        ["--lr", "-1"],
+        ["--temperature", "0"],
+        ["--model", "/no/such/model/dir"],
+        ["--reward", "nosuchmod:f"],
+        ["--beta", "nan"],
+        ["--max-seq-len", "-5"],
+    ],
+)
+def test_as_a_user_types_it_one_line_in_seconds_and_nothing_written(argv, tmp_path):
+    model = [] if "--model" in argv else ["--model", "Qwen/Qwen2.5-Math-7B"]
+    result = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "sage.py"),
+            *model,
+            *argv,
+            "--out",
+            str(tmp_path / "runs"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1, result.stderr
+    assert not (tmp_path / "runs").exists()
