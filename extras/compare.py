@@ -245,7 +245,7 @@ def parse_args(argv: list[str] | None):
         "--seeds", type=int, default=5, help="training seeds (the unit of evidence)"
     )
     parser.add_argument("--seed", type=int, default=3407, help="the first seed; then +1, +2, ...")
-    parser.add_argument("--steps", type=int, default=300, help="RL steps of each arm")
+    parser.add_argument("--steps", type=int, default=200, help="RL steps of each arm")
     parser.add_argument("--save-every", type=int, default=50, help="checkpoints (for resuming)")
     parser.add_argument("--eval-samples", type=int, default=64, help="samples per held-out problem")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"which of {', '.join(ARMS)}")
