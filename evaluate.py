@@ -165,7 +165,7 @@ class EvalConfig:
 
     eval_every: int = 0
     """Evaluate pass@k before the first step, every N steps and after the last, through the
-    training engine (0: off); rows go to <run>/eval.jsonl."""
+    training engine, one step's batch at a time (0: off); rows go to <run>/eval.jsonl."""
     eval_benchmarks: str = ""
     """Benchmarks of --eval-every: names (aime, amc23, math500-l5, ...) or local files with
     problem/answer fields; the demo: its held-out problems."""

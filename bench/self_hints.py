@@ -32,35 +32,6 @@ ENV = {
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
-DEMO_FLAGS = [
-    "--prompts-per-step",
-    "8",
-    "--rollouts",
-    "8",
-    "--micro-batch-size",
-    "64",
-    "--lora-rank",
-    "16",
-    "--lora-alpha",
-    "32",
-    "--lr",
-    "5e-4",
-    "--warmup-ratio",
-    "0.05",
-    "--guide",
-    "branch",
-    "--max-seq-len",
-    "640",
-    "--max-prompt-len",
-    "576",
-    "--no-gradient-checkpointing",
-    "--gpu-memory-utilization",
-    "0.2",
-    "--eval-temperature",
-    "1.0",
-    "--eval-top-p",
-    "1.0",
-]
 
 
 def run(command: list[str]) -> None:
@@ -104,6 +75,9 @@ def main() -> None:
             run(
                 [
                     "sage.py",
+                    *demo.DEMO_FLAGS,  # the demo's settings; the flags below win
+                    "--eval-every",
+                    "0",
                     "--model",
                     model,
                     "--dataset",
@@ -120,7 +94,6 @@ def main() -> None:
                     workdir,
                     "--name",
                     name,
-                    *DEMO_FLAGS,
                     *extra,
                 ]
             )

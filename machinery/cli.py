@@ -53,6 +53,8 @@ def _argument_type(annotation):
     else None."""
     if dataclasses.is_dataclass(annotation):
         return annotation
+    if typing.get_origin(annotation) is tuple:  # (a schedule's bounds, say): no flag
+        return None
     options = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
     base = typing.get_origin(options[0]) or options[0]
     return base if base in SIMPLE_TYPES else None

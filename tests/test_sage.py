@@ -149,6 +149,7 @@ def test_every_field_and_every_flag_has_a_docstring(capsys):
         "--eval-top-p",
     ):
         assert flag in help_text, flag
+    assert "--random-eps" not in help_text  # a schedule's (upper, lower) bounds are no flag
 
 
 def test_model_runs_default_to_settings_that_fit_one_gpu_and_help_says_so(capsys):

@@ -107,6 +107,9 @@ def test_two_step_cli_run(tmp_path, algo, guide):
         WANDB_SILENT="true",
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    # a quiet terminal: vLLM's warnings only, and none for the layers a weight push has nothing for
+    shown = result.stdout + result.stderr
+    assert "Failed to load weights" not in shown and " INFO " not in shown
     run_dir = tmp_path / "run"
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1]
@@ -364,3 +367,15 @@ def test_a_plug_in_reward_is_the_one_trained_on(tmp_path):
         bad.returncode != 0
         and "cannot import 'no_such_module_xyz'" in bad.stderr.strip().splitlines()[-1]
     )
+
+
+@pytest.mark.slow
+def test_the_demo_runs_again_when_run_again(tmp_path):
+    """make demo twice: the second replaces the first run and says so in one line."""
+    argv = [*TINY, "--steps", "1", "--eval-every", "0", "--backend", "hf", "--name", "demo"]
+    first = run_demo(argv, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run_demo(argv, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"demo: replacing the previous demo run in {tmp_path / 'demo'}" in again.stderr
+    assert [m["step"] for m in read_metrics(tmp_path / "demo")] == [0]
