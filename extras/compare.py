@@ -208,19 +208,19 @@ def plot(summary: dict, baseline: str, out: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for arm, entry in summary.items():
-        ks = [int(k.split("@")[1]) for k in entry["pass_at_k"]]
+    for index, (arm, entry) in enumerate(summary.items()):
+        ks, color = [int(k.split("@")[1]) for k in entry["pass_at_k"]], f"C{index}"  # one per arm
         for axis, values in ((left, entry["pass_at_k"]), (right, entry.get("minus_" + baseline))):
             if not values:
                 continue
             means = [v["mean"] for v in values.values()]
-            (line,) = axis.plot(ks, means, marker="o", markersize=3, label=arm)
+            axis.plot(ks, means, marker="o", markersize=3, label=arm, color=color)
             if all(v["low"] is not None for v in values.values()):
                 lows, highs = (
                     [v["low"] for v in values.values()],
                     [v["high"] for v in values.values()],
                 )
-                axis.fill_between(ks, lows, highs, alpha=0.15, color=line.get_color())
+                axis.fill_between(ks, lows, highs, alpha=0.15, color=color)
     right.axhline(0.0, color="black", linewidth=0.8)
     for axis, title in ((left, "pass@k, mean over seeds (95% band)"),
                         (right, f"paired difference from {baseline}")):  # fmt: skip
