@@ -402,7 +402,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = sage.main(
         [*sage_flags(files), "--out", out, "--name", os.path.basename(run_dir), *rest]
     )
-    if not result["finished"]:
+    evaluated = int(cli.flag_value([*DEMO_FLAGS, *rest], "--eval-every", "100")) > 0
+    if not result["finished"] or not evaluated:  # (no evaluations: no before/after table)
         return result
     steps = int(cli.flag_value([*DEMO_FLAGS, *rest], "--steps", "500"))
     eval_n = int(cli.flag_value(rest, "--eval-n", "8"))
