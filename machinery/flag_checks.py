@@ -167,6 +167,11 @@ def check_config(config, presets: dict, error) -> None:
         ),
         (sft is None or not sft.sft_only or sft.sft_dataset, "--sft-only needs --sft-dataset"),
         (
+            config.eval.eval_every <= 0 or bool(config.eval.eval_benchmarks),
+            "--eval-every needs --eval-benchmarks (names such as aime, or local .jsonl files with "
+            "problem and answer fields)",
+        ),
+        (
             refill is None or refill.overlong_buffer < budget,
             f"--overlong-buffer must be below the completion budget (--max-seq-len minus "
             f"--max-prompt-len = {budget})",

@@ -126,16 +126,11 @@ class RunLogger:
 
     @staticmethod
     def _benchmarks(config) -> dict:
-        """What --eval-every evaluates: {name: [Problem]}."""
+        """What --eval-every evaluates: {name: [Problem]} (flag_checks insists on benchmarks)."""
         from machinery.data import resolve_benchmarks
 
         if config.eval.eval_every <= 0:
             return {}
-        if not config.eval.eval_benchmarks:
-            raise SystemExit(
-                "error: --eval-every needs --eval-benchmarks (names such as aime, or local "
-                ".jsonl files with problem and answer fields)"
-            )
         return {
             name: problems
             for name, (_, problems) in resolve_benchmarks(config.eval.eval_benchmarks).items()

@@ -65,6 +65,7 @@ def test_the_sweep_covers_every_numeric_flag():
         (["--reward", "nosuchmod_xyz:f"], "cannot import 'nosuchmod_xyz'"),
         (["--max-prompt-len", "600", "--max-seq-len", "512"], "--max-prompt-len must be below"),
         (["--overlong-buffer", "5000"], "--overlong-buffer must be below the completion budget"),
+        (["--eval-every", "10"], "--eval-every needs --eval-benchmarks"),
     ],
 )
 def test_missing_paths_and_impossible_combinations(argv, message, capsys):
