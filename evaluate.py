@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from tqdm import tqdm
 
 import rollout
@@ -175,6 +176,12 @@ class EvalConfig:
     """Sampling temperature of --eval-every (the paper's evaluation config)."""
     eval_top_p: float = 0.95
     """Top-p of --eval-every (the paper's evaluation config)."""
+    eval_solution_key: str = ""
+    """Field of the --eval-benchmarks files that holds a reference solution y*: each evaluation
+    then also runs the support probe, log pi(y*|x) at the training temperature and min-p."""
+    eval_group_key: str = ""
+    """Field of the --eval-benchmarks files that groups the problems (e.g. easy / hard) for the
+    support probe's summaries."""
 
 
 def sampling_config(sampling: EvalSampling, n: int, seed: int):
@@ -293,7 +300,176 @@ def evaluation_rows(engine, tokenizer, benchmarks: dict, n: int, seed: int, samp
     return rows
 
 
-# ---- 3. The command line: a run over benchmarks, atomic results, resume ------------------------
+# ---- 3. Support: the exact probability of a known solution (Theorem 4.3) ---------------------
+
+# supp_delta is the fraction of problems whose reference solution has pi(y*|x) >= delta
+SUPPORT_DELTAS = (1e-1, 1e-2, 1e-3, 1e-4)
+
+
+def supp_key(delta: float) -> str:
+    """The name of supp_delta in summaries and files.
+
+    >>> [supp_key(delta) for delta in SUPPORT_DELTAS]
+    ['supp@0.1', 'supp@0.01', 'supp@0.001', 'supp@0.0001']
+    """
+    return f"supp@{delta:g}"
+
+
+def reference_completion_ids(tokenizer, solution: str, answer: str) -> list[int]:
+    """y*: a reference solution in the paper's answer format (App. E.4) and the EOS that ends it,
+    tokenized as SFT tokenizes its targets (machinery/data.py).
+
+    >>> from extras.demo import build_tiny_tokenizer
+    >>> tokenizer = build_tiny_tokenizer()
+    >>> tokenizer.decode(reference_completion_ids(tokenizer, "7+5=12", "12"))
+    '<start_working_out>7+5=12<end_working_out><SOLUTION>12</SOLUTION><|im_end|>'
+    """
+    from machinery.task import sft_completion
+
+    text = sft_completion(solution, answer)
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def min_p_keeps(logits: torch.Tensor, token_ids: torch.Tensor, temperature: float, min_p: float):
+    """[...] bool: whether min-p keeps each token, pi_T(y_t) >= min_p * max_v pi_T(v), the rule
+    ``loss.token_logps_and_entropies`` replays (there the sampled token always counts as kept).
+
+    >>> min_p_keeps(torch.tensor([[0.0, -5.0]]), torch.tensor([1]), 1.0, 0.01).tolist()  # e^-5
+    [False]
+    """
+    log_probs = (logits.float() / temperature).log_softmax(dim=-1)  # [..., V]
+    token_log_probs = log_probs.gather(-1, token_ids[..., None]).squeeze(-1)  # [...]
+    if min_p <= 0.0:
+        return torch.ones_like(token_log_probs, dtype=torch.bool)
+    return token_log_probs >= math.log(min_p) + log_probs.amax(dim=-1)
+
+
+@dataclass
+class ReferenceLogps:
+    """Teacher-forced y* of one problem under one policy, per token [C] (C = len(y*))."""
+
+    token_logps: list[float]  # log pi(y*_t | x, y*_<t), temperature and min-p replayed
+    token_logps_full: list[float]  # the same at temperature T without min-p (always finite)
+    entropies: list[float]  # H_t of pi_T (Eq. 12): what the branch guide reads
+    kept: list[bool]  # min-p keeps y*_t; one False puts y* outside the sampler's support
+
+    @property
+    def logp(self) -> float:
+        """log pi(y*|x) under the sampler's distribution; -inf when min-p removes a token."""
+        return sum(self.token_logps) if all(self.kept) else -math.inf
+
+
+@torch.no_grad()
+def reference_logps(
+    model,
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    temperature: float,
+    min_p: float,
+    pad_id: int,
+    batch_size: int = 8,
+) -> list[ReferenceLogps]:
+    """One teacher-forced forward pass per batch of (prompt, y*) pairs: per token, log pi(y*_t)
+    as the sampler draws (``loss.token_logps_and_entropies``, the definition, with temperature
+    and min-p), the same without min-p, the entropy H_t, and whether min-p keeps y*_t. No samples
+    are drawn, so the numbers are exact, not estimates."""
+    import loss
+    from machinery.batches import collate
+
+    was_training, device = model.training, next(model.parameters()).device
+    model.eval()  # no dropout: the probe is deterministic
+    results = []
+    for start in range(0, len(prompts), batch_size):
+        rows = slice(start, start + batch_size)
+        batch = collate(prompts[rows], completions[rows], pad_id, device)
+        completion_ids, mask = batch["completion_ids"], batch["completion_mask"]  # [B, C]
+        input_len = batch["input_ids"].shape[1]
+        predicting = torch.arange(input_len - completion_ids.shape[1] - 1, input_len - 1)  # [C]
+        logits = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            logits_to_keep=predicting.to(device),
+            use_cache=False,
+        ).logits  # [B, C, V]
+        logps, entropies = loss.token_logps_and_entropies(
+            logits, completion_ids, temperature, min_p
+        )
+        logps_full, _ = loss.token_logps_and_entropies(logits, completion_ids, temperature)
+        kept = min_p_keeps(logits, completion_ids, temperature, min_p)
+        for row, length in enumerate(mask.sum(dim=1).long().tolist()):
+            results.append(
+                ReferenceLogps(
+                    token_logps=logps[row, :length].tolist(),
+                    token_logps_full=logps_full[row, :length].tolist(),
+                    entropies=entropies[row, :length].tolist(),
+                    kept=kept[row, :length].tolist(),
+                )
+            )
+    model.train(was_training)
+    return results
+
+
+def support_summary(probes: Sequence[ReferenceLogps], groups: Sequence[str]) -> dict:
+    """Per group of problems (and "all"): the mean log pi(y*) over the problems inside the
+    sampler's support, the mean without min-p over every problem, supp_delta for each delta of
+    ``SUPPORT_DELTAS`` (a problem outside the support counts as pi(y*) = 0) and the fraction
+    outside min-p's support.
+
+    >>> inside = ReferenceLogps([-0.5, -1.0], [-0.6, -1.1], [0.1, 0.2], [True, True])
+    >>> outside = ReferenceLogps([-0.1, -9.0], [-0.1, -9.0], [0.1, 2.0], [True, False])
+    >>> summary = support_summary([inside, outside], ["easy", "hard"])
+    >>> summary["all"]["supp@0.1"], summary["hard"]["outside"], summary["all"]["mean_logp"]
+    (0.5, 1.0, -1.5)
+    """
+    by_group: dict[str, list[ReferenceLogps]] = {"all": list(probes)}
+    for probe, group in zip(probes, groups):
+        if group:
+            by_group.setdefault(group, []).append(probe)
+    summary = {}
+    for group, members in by_group.items():
+        logps = [probe.logp for probe in members]
+        inside = [logp for logp in logps if logp > -math.inf]
+        entry = {
+            "problems": len(members),
+            "mean_logp": sum(inside) / len(inside) if inside else None,
+            "mean_logp_full": sum(sum(p.token_logps_full) for p in members) / len(members),
+            "outside": 1.0 - len(inside) / len(members),
+        }
+        for delta in SUPPORT_DELTAS:
+            entry[supp_key(delta)] = sum(logp >= math.log(delta) for logp in logps) / len(logps)
+        summary[group] = entry
+    return summary
+
+
+def support_probe(
+    model, tokenizer, problems, temperature: float, min_p: float, batch_size: int = 8
+) -> tuple[dict, list[ReferenceLogps]] | None:
+    """The support probe of a policy on the problems that have a reference solution: its
+    ``support_summary`` with, per problem, log pi(y*|x) (None for -inf: outside the support),
+    and the per-token ``ReferenceLogps``. None when no problem has a reference solution."""
+    from machinery.task import build_prompt_ids
+
+    with_solution = [p for p in problems if p.solution]
+    if not with_solution:
+        return None
+    prompts = [build_prompt_ids(tokenizer, p.problem) for p in with_solution]
+    completions = [reference_completion_ids(tokenizer, p.solution, p.answer) for p in with_solution]
+    probes = reference_logps(
+        model,
+        prompts,
+        completions,
+        temperature=temperature,
+        min_p=min_p,
+        pad_id=tokenizer.pad_token_id,
+        batch_size=batch_size,
+    )
+    summary = support_summary(probes, [p.group for p in with_solution])
+    summary["per_problem_logp"] = [None if p.logp == -math.inf else p.logp for p in probes]
+    return summary, probes
+
+
+# ---- 4. The command line: a run over benchmarks, atomic results, resume ----------------------
 
 
 def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
@@ -311,7 +487,14 @@ def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
     if args.backend not in rollout.BACKENDS:
         choices = ", ".join(rollout.BACKENDS)
         raise EvalError(f"unknown --backend {args.backend!r}: choose one of {choices}")
-    benchmarks = resolve_benchmarks(args.benchmarks, args.problem_key, args.answer_key, args.grader)
+    benchmarks = resolve_benchmarks(
+        args.benchmarks,
+        problem_key=args.problem_key,
+        answer_key=args.answer_key,
+        grader=args.grader,
+        solution_key=args.solution_key,
+        group_key=args.group_key,
+    )
     if args.limit:
         benchmarks = {
             name: (source, problems[: args.limit])
@@ -321,6 +504,10 @@ def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
     sampling_config(sampling, args.n, seeds[0])  # bad settings fail now, not after loading a model
     results = files.new_results(args, benchmarks, sampling, ks_up_to(args.n))
     files.merge_existing(results, args.out)
+    unprobed = [name for name in benchmarks if "support" not in results["benchmarks"][name]]
+    if args.solution_key and unprobed:  # the support probe, before the engine takes the memory
+        probe_benchmarks(args, {name: benchmarks[name][1] for name in unprobed}, results)
+        write_json_atomic(args.out, results)
     todo = files.pending_seeds(results, seeds, list(benchmarks), args.out)
     if todo:
         engine = files.start_engine(args, make_engine)
@@ -341,6 +528,35 @@ def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
     recompute_summaries(results)
     write_json_atomic(args.out, results)
     return results
+
+
+def probe_benchmarks(args: EvalArgs, benchmarks: dict, results: dict) -> None:
+    """The support probe (section 3) of the model (its adapter merged) on each benchmark of
+    {name: problems}, at the evaluation's temperature and min-p, into ``results``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from machinery.results import load_merged_model
+
+    if args.adapter:
+        model = load_merged_model(args.model, args.adapter, args.dtype)
+    else:
+        dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    for name, problems in benchmarks.items():
+        probed = support_probe(
+            model, tokenizer, problems, temperature=args.temperature, min_p=args.min_p
+        )
+        if probed is None:
+            raise EvalError(
+                f"--solution-key {args.solution_key}: no problem of {name} has a reference "
+                "solution in that field; name the field that holds one"
+            )
+        results["benchmarks"][name]["support"] = probed[0]
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 ANALYSES = ("plot", "patterns", "perplexity")  # subcommands of extras/analysis.py
@@ -386,6 +602,11 @@ class EvalArgs:
     """Column holding the reference answer, for local files."""
     grader: str = "math"
     """Grader for local files: math | knights_knaves."""
+    solution_key: str = ""
+    """Column holding a reference solution, for local files: the support probe, log pi(y*|x)
+    teacher-forced at --temperature and --min-p, goes into the results file."""
+    group_key: str = ""
+    """Column grouping the problems (e.g. easy / hard) for the support probe's summaries."""
     limit: int | None = None
     """Evaluate only the first LIMIT problems of each benchmark."""
     backend: str = "vllm"

@@ -454,7 +454,8 @@ def main(argv: list[str] | None = None) -> dict:
     reward_function = load_reward_function(config.reward)
     logger = trackers.RunLogger(config, run_dir, tokenizer)
     engine = start_engine(config, base_path, policy)
-    logger.evaluate(engine, updates=start, first=True)  # pass@k of the starting policy
+    # pass@k (and the support probe) of the starting policy
+    logger.evaluate(engine, updates=start, first=True, policy=policy)
     for step in logger.progress_bar(start):
         timer = runs.PhaseTimer()
         # 1-2. prompts -> G rollouts each -> rewards (and the extras that act here: hints, refill)
@@ -485,7 +486,7 @@ def main(argv: list[str] | None = None) -> dict:
             engine.sync_weights(policy)
         # 9. metrics, and pass@k every --eval-every steps
         logger.log_step(step, rollouts, rewards, metrics, timer, scheduler.get_last_lr()[0])
-        logger.evaluate(engine, updates=step + 1)
+        logger.evaluate(engine, updates=step + 1, policy=policy)
         # 10. checkpoint (and --stop-after)
         if runs.checkpoint_if_due(run_dir, step, start, config, state):
             break

@@ -234,7 +234,7 @@ def plot_run(run_dirs: Sequence[str], out: str) -> None:
     """A run's training curves against the step, one PNG: reward, KL, entropy, the guide's q,
     the response length (metrics.jsonl) and pass@k of --eval-every (eval.jsonl); several runs
     overlay."""
-    fig, axes = plt.subplots(2, 3, figsize=(14, 7))
+    fig, axes = plt.subplots(2, 4, figsize=(18, 7))
     for run_dir in run_dirs:
         metrics = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
         if not metrics:
@@ -262,13 +262,98 @@ def plot_run(run_dirs: Sequence[str], out: str) -> None:
                     markersize=3,
                     label=name,
                 )
+        plot_support_curves(evaluations, axes.flat[6], axes.flat[7], len(run_dirs), label)
     axes.flat[5].set_title("pass@k (--eval-every)")
+    axes.flat[6].set_title("support probe: mean log pi(y*)")
+    axes.flat[7].set_title("support probe: supp_0.01, P(pi(y*) >= 0.01)")
     for axis in axes.flat:
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=7)
     fig.tight_layout()
+    _save_figure(fig, out)
+    plt.close(fig)
+
+
+def plot_support_curves(evaluations: list[dict], logp_axis, supp_axis, runs: int, label: str):
+    """The support probe against the step (eval.jsonl rows that carry one): per group of
+    problems, the mean log pi(y*) (min-p not replayed, finite for every problem) and supp_0.01."""
+    probed = [row for row in evaluations if row.get("support")]
+    for benchmark in sorted({row["benchmark"] for row in probed}):
+        rows = [row for row in probed if row["benchmark"] == benchmark]
+        for group in rows[0]["support"]:
+            name = f"{benchmark} {group}" if runs == 1 else f"{label} {benchmark} {group}"
+            steps = [row["step"] for row in rows]
+            for axis, key in ((logp_axis, "mean_logp_full"), (supp_axis, "supp@0.01")):
+                values = [row["support"][group][key] for row in rows]
+                axis.plot(steps, values, marker="o", markersize=3, label=name)
+
+
+def plot_guide_map(evaluations: list[dict], tau: float, out: str) -> None:
+    """Where the branch guide acts (Eq. 11): for the problems of the guide map (eval.jsonl), y*'s
+    tokens with the policy's entropy H_t (bars) and the branch guide's q_t (line), at the first
+    evaluation and at the last. q_t > 1 only where H_t > tau: the anchor p~ = pi_ref * q is
+    raised at the forks where the policy hesitates, and nowhere else."""
+    mapped = [row for row in evaluations if row.get("guide_map")]
+    if not mapped:
+        raise AnalysisError("no evaluation holds a guide map: run with --eval-solution-key")
+    first, last = mapped[0], mapped[-1]
+    count = len(first["guide_map"])
+    fig, axes = plt.subplots(count, 1, figsize=(12, 2.8 * count), squeeze=False)
+    for axis, start, end in zip(axes[:, 0], first["guide_map"], last["guide_map"]):
+        positions = list(range(len(start["tokens"])))
+        width = 0.4
+        axis.bar(
+            [p - width / 2 for p in positions],
+            start["entropy"],
+            width,
+            color="C0",
+            alpha=0.45,
+            label=f"H_t after {first['step']} steps",
+        )
+        axis.bar(
+            [p + width / 2 for p in positions],
+            end["entropy"],
+            width,
+            color="C0",
+            label=f"H_t after {last['step']} steps",
+        )
+        axis.axhline(tau, color="gray", linestyle=":", linewidth=1, label=f"tau = {tau:g}")
+        axis.set_ylabel("entropy H_t (nats)")
+        axis.set_xticks(
+            positions,
+            [token.replace("$", r"\$") for token in start["tokens"]],
+            rotation=60,
+            fontsize=7,
+        )
+        twin = axis.twinx()
+        twin.plot(
+            positions,
+            start["q"],
+            color="C3",
+            linestyle="--",
+            marker=".",
+            label=f"q_t after {first['step']} steps",
+        )
+        twin.plot(
+            positions,
+            end["q"],
+            color="C3",
+            marker="o",
+            markersize=3,
+            label=f"q_t after {last['step']} steps",
+        )
+        twin.set_ylabel("branch guide q_t")
+        twin.set_ylim(0.95, max(1.45, max(start["q"] + end["q"]) + 0.05))
+        logp_start, logp_end = sum(start["logp"]), sum(end["logp"])
+        axis.set_title(
+            f"{start['problem']}   log pi(y*): {logp_start:.2f} -> {logp_end:.2f}", fontsize=9
+        )
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    twin_handles, twin_labels = twin.get_legend_handles_labels()
+    fig.legend(handles + twin_handles, labels + twin_labels, loc="upper center", ncol=5, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (2.8 * count)))
     _save_figure(fig, out)
     plt.close(fig)
 

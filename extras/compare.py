@@ -52,6 +52,9 @@ ARMS = {
     ],
 }
 BASELINE = "grpo"
+# the support probe's measures per group (evaluate.support_summary), in the order tables show them
+PROBE = ("mean_logp_full", "mean_logp", "supp@0.1", "supp@0.01", "supp@0.001", "supp@0.0001")
+PROBE += ("outside",)
 TASK_SEED = 3407  # the held-out split every seed shares (the demo's own)
 ENV = {
     **os.environ,
@@ -84,13 +87,22 @@ def sft_start(seed_dir: str, seed: int, args) -> dict[str, str]:
         "held_out": os.path.join(run_dir, "demo.jsonl"),
     }
     if not os.path.exists(os.path.join(files["model"], "config.json")):
-        sizes = ["--demo-eval-problems", str(args.demo_eval_problems)]
-        sizes += ["--demo-sft-examples", str(args.demo_sft_examples)]
         run(
-            ["-m", "extras.demo", "--out", seed_dir, "--name", "sft", "--seed", str(seed), *sizes]
-            + ["--demo-task-seed", str(TASK_SEED), "--sft-only"]
+            ["-m", "extras.demo", "--out", seed_dir, "--name", "sft", "--seed", str(seed)]
+            + ["--demo-task-seed", str(TASK_SEED), "--sft-only", *sft_settings(args)]
         )
     return files
+
+
+def sft_settings(args) -> list[str]:
+    """The demo's flags that make each seed's SFT start (its size, its noise, its epochs)."""
+    return [
+        *["--demo-eval-problems", str(args.demo_eval_problems)],
+        *["--demo-sft-examples", str(args.demo_sft_examples)],
+        *["--demo-sft-noise", str(args.demo_sft_noise)],
+        *["--demo-hard-noise", str(args.demo_hard_noise)],
+        *["--sft-epochs", str(args.sft_epochs)],
+    ]
 
 
 def train_arm(seed_dir: str, seed: int, arm: str, flags: list[str], files: dict, args) -> str:
@@ -108,6 +120,7 @@ def train_arm(seed_dir: str, seed: int, arm: str, flags: list[str], files: dict,
     run(
         ["sage.py", *demo.sage_flags(files), "--out", seed_dir, "--name", arm, "--seed", str(seed)]
         + ["--steps", str(args.steps), "--eval-every", "0", "--save-every", str(args.save_every)]
+        + shlex.split(args.flags)
         + flags
         + (["--resume"] if resume else [])
     )
@@ -115,25 +128,38 @@ def train_arm(seed_dir: str, seed: int, arm: str, flags: list[str], files: dict,
 
 
 def evaluate(files: dict, adapter: str | None, n: int, out: str) -> None:
-    """pass@k with n samples per held-out problem, sampled as in training (temperature 1)."""
-    command = ["evaluate.py", "--model", files["model"], "--benchmarks", files["held_out"]]
-    command += ["--n", str(n), "--seeds", "0", "--temperature", "1.0", "--top-p", "1.0"]
-    command += ["--max-tokens", "64", "--max-model-len", "640", "--gpu-memory-utilization", "0.2"]
-    run(command + ["--out", out, "--no-progress"] + (["--adapter", adapter] if adapter else []))
+    """The support probe of every held-out sum's solution (exact, no samples), and pass@k with n
+    samples per held-out problem, both as in training (temperature 1, min-p 0.01, no top-p)."""
+    command = [
+        *["evaluate.py", "--model", files["model"], "--benchmarks", files["held_out"]],
+        *["--solution-key", "working", "--group-key", "difficulty"],
+        *["--n", str(n), "--seeds", "0", "--temperature", "1.0", "--top-p", "1.0"],
+        *["--min-p", "0.01", "--max-tokens", "64", "--max-model-len", "640"],
+        *["--gpu-memory-utilization", "0.2", "--out", out, "--no-progress"],
+    ]
+    run(command + (["--adapter", adapter] if adapter else []))
 
 
-def pass_at_k_of(path: str) -> dict[str, float]:
-    """{"pass@k": value} of an evaluate.py results file (its one benchmark, its one seed)."""
+def measures_of(path: str) -> dict[str, float]:
+    """An evaluate.py results file (its one benchmark, its one seed) as {"pass@k": value} and
+    {"<group>/<probe measure>": value} for the support probe's groups (all, easy, hard)."""
     with open(path) as handle:
-        entry = next(iter(json.load(handle)["benchmarks"].values()))["pass_at_k"]
-    return {f"pass@{k}": entry[k]["mean"] for k in sorted(entry, key=int)}
+        entry = next(iter(json.load(handle)["benchmarks"].values()))
+    passes = entry["pass_at_k"]
+    measures = {f"pass@{k}": passes[k]["mean"] for k in sorted(passes, key=int)}
+    for group, values in entry.get("support", {}).items():
+        if isinstance(values, dict):
+            measures |= {f"{group}/{key}": value for key, value in values.items() if key in PROBE}
+    return measures
 
 
 # ---- 2. The statistics: means and intervals over seeds, differences paired by seed -------------
 
 
-def interval(values: list[float], confidence: float = 0.95) -> dict[str, float]:
-    """Mean and its Student t interval over seeds (none from one seed).
+def interval(values: list[float | None], confidence: float = 0.95) -> dict[str, float]:
+    """Mean and its Student t interval over seeds (none from one seed); None values (a measure
+    a seed does not have, such as a mean log-prob with every y* outside the support) are left
+    out, and ``seeds`` says how many counted.
 
     >>> interval([0.5, 0.6, 0.7])["mean"], round(interval([0.5, 0.6, 0.7])["half_width"], 4)
     (0.6, 0.2484)
@@ -141,93 +167,136 @@ def interval(values: list[float], confidence: float = 0.95) -> dict[str, float]:
     import numpy as np
     from scipy import stats
 
-    values = np.asarray(values, dtype=float)
+    values = np.asarray([v for v in values if v is not None], dtype=float)
+    if len(values) == 0:
+        return {"mean": None, "low": None, "high": None, "half_width": None, "seeds": 0}
     mean = float(values.mean())
     if len(values) < 2:
-        return {"mean": mean, "low": None, "high": None, "half_width": None}
+        return {"mean": mean, "low": None, "high": None, "half_width": None, "seeds": 1}
     half = float(stats.t.ppf(0.5 + confidence / 2, len(values) - 1) * stats.sem(values))
-    return {"mean": mean, "low": mean - half, "high": mean + half, "half_width": half}
+    return {
+        "mean": mean,
+        "low": mean - half,
+        "high": mean + half,
+        "half_width": half,
+        "seeds": len(values),
+    }
 
 
-def summarize(per_seed: dict[str, dict[str, dict[str, float]]], baseline: str) -> dict:
-    """From {arm: {seed: {"pass@k": value}}}: per arm, the per-seed values, the mean and interval
-    per k, and the difference from ``baseline`` paired by seed (the seeds both finished)."""
+# each arm's difference, paired by seed, from these (the key it is stored under)
+PAIRED_WITH = {BASELINE: "minus_grpo", "SFT start": "minus_sft_start"}
+
+
+def paired_difference(seeds: dict, reference: dict, measure: str) -> dict:
+    """The interval of ``measure``'s per-seed difference from ``reference``, over the seeds both
+    have (and where both have the measure)."""
+    shared = [s for s in seeds if s in reference]
+    differences = [
+        None
+        if seeds[s].get(measure) is None or reference[s].get(measure) is None
+        else seeds[s][measure] - reference[s][measure]
+        for s in shared
+    ]
+    return interval(differences)
+
+
+def summarize(per_seed: dict[str, dict[str, dict[str, float]]]) -> dict:
+    """From {arm: {seed: {measure: value}}} (measures: "pass@k" and the probe's
+    "<group>/<measure>"): per arm, the per-seed values; the mean and interval of each pass@k
+    ("pass_at_k") and of each probe measure ("support"); and the difference from GRPO
+    ("minus_grpo") and from the SFT start ("minus_sft_start"), paired by seed."""
     summary = {}
     for arm, seeds in per_seed.items():
-        ks = list(next(iter(seeds.values())))
-        entry = {"per_seed": seeds, "pass_at_k": {}}
-        for k in ks:
-            entry["pass_at_k"][k] = interval([values[k] for values in seeds.values()])
-        if arm != baseline and baseline in per_seed:
-            shared = [s for s in seeds if s in per_seed[baseline]]
-            entry["minus_" + baseline] = {
-                k: {
-                    **interval([seeds[s][k] - per_seed[baseline][s][k] for s in shared]),
-                    "seeds": len(shared),
+        measures = list(dict.fromkeys(m for values in seeds.values() for m in values))
+        entry = {"per_seed": seeds, "pass_at_k": {}, "support": {}}
+        for measure in measures:
+            part = "pass_at_k" if measure.startswith("pass@") else "support"
+            entry[part][measure] = interval([values.get(measure) for values in seeds.values()])
+        for reference, key in PAIRED_WITH.items():
+            if reference in per_seed and arm != reference:
+                entry[key] = {
+                    measure: paired_difference(seeds, per_seed[reference], measure)
+                    for measure in measures
                 }
-                for k in ks
-            }
         summary[arm] = entry
     return summary
 
 
-def distinguishable(summary: dict, baseline: str) -> list[str]:
-    """'arm pass@k: +d [low, high]' for each paired difference whose interval excludes zero."""
+def distinguishable(summary: dict) -> list[str]:
+    """'arm measure: +d [low, high]' for each difference from GRPO, paired by seed, whose interval
+    excludes zero."""
     found = []
     for arm, entry in summary.items():
-        for k, diff in entry.get("minus_" + baseline, {}).items():
+        for measure, diff in entry.get("minus_grpo", {}).items():
             if diff["low"] is not None and (diff["low"] > 0 or diff["high"] < 0):
-                found.append(
-                    f"{arm} {k}: {diff['mean']:+.3f} [{diff['low']:+.3f}, {diff['high']:+.3f}]"
-                )
+                bounds = f"[{diff['low']:+.3f}, {diff['high']:+.3f}]"
+                found.append(f"{arm} {measure}: {diff['mean']:+.3f} {bounds}")
     return found
 
 
-def format_table(summary: dict, ks: list[str]) -> str:
-    """One row per arm: mean [95% interval] at each k in ``ks``."""
-    lines = [f"{'':22}" + "".join(f"{k:>22}" for k in ks)]
+def format_table(summary: dict, measures: list[str], part: str = "pass_at_k") -> str:
+    """One row per arm: mean [95% interval] of each of ``measures`` in ``part`` of its entry
+    ("pass_at_k", "support", "minus_grpo" or "minus_sft_start"); arms without it are left out."""
+    lines = [f"{'':22}" + "".join(f"{measure:>24}" for measure in measures)]
     for arm, entry in summary.items():
+        if part not in entry:
+            continue
         cells = []
-        for k in ks:
-            value = entry["pass_at_k"][k]
-            bounds = "" if value["low"] is None else f" [{value['low']:.2f},{value['high']:.2f}]"
-            cells.append(f"{value['mean']:.3f}{bounds}")
-        lines.append(f"{arm:22}" + "".join(f"{cell:>22}" for cell in cells))
+        for measure in measures:
+            value = entry[part].get(measure, {"mean": None})
+            if value["mean"] is None:
+                cells.append("-")
+                continue
+            sign = "+" if part.startswith("minus_") else ""
+            bounds = (
+                ""
+                if value["low"] is None
+                else f" [{value['low']:{sign}.2f},{value['high']:{sign}.2f}]"
+            )
+            cells.append(f"{value['mean']:{sign}.3f}{bounds}")
+        lines.append(f"{arm:22}" + "".join(f"{cell:>24}" for cell in cells))
     return "\n".join(lines)
 
 
 # ---- 3. The figure: means with bands, and the paired differences -------------------------------
 
 
-def plot(summary: dict, baseline: str, out: str) -> None:
-    """Left: mean pass@k against k with its 95% band, per arm. Right: each arm minus the baseline,
-    paired by seed, with its band; zero is no difference."""
+def plot(summary: dict, out: str) -> None:
+    """Top: pass@k against k; bottom: the hard problems' supp_delta against delta (the support
+    probe). Left: each arm's mean with its 95% band over seeds; right: each arm minus GRPO,
+    paired by seed, with its band (zero is no difference)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for index, (arm, entry) in enumerate(summary.items()):
-        ks, color = [int(k.split("@")[1]) for k in entry["pass_at_k"]], f"C{index}"  # one per arm
-        for axis, values in ((left, entry["pass_at_k"]), (right, entry.get("minus_" + baseline))):
-            if not values:
-                continue
-            means = [v["mean"] for v in values.values()]
-            axis.plot(ks, means, marker="o", markersize=3, label=arm, color=color)
-            if all(v["low"] is not None for v in values.values()):
-                lows, highs = (
-                    [v["low"] for v in values.values()],
-                    [v["high"] for v in values.values()],
-                )
-                axis.fill_between(ks, lows, highs, alpha=0.15, color=color)
-    right.axhline(0.0, color="black", linewidth=0.8)
-    for axis, title in ((left, "pass@k, mean over seeds (95% band)"),
-                        (right, f"paired difference from {baseline}")):  # fmt: skip
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("k")
-        axis.set_title(title, fontsize=10)
-    left.legend(fontsize=8)
+    deltas = [float(key.split("@")[1]) for key in PROBE if key.startswith("supp@")]
+    rows = [
+        ("pass@k", [f"pass@{k}" for k in (1, 2, 4, 8, 16, 32, 64, 128, 256)], "k"),
+        ("hard sums' supp_delta", [f"hard/supp@{delta:g}" for delta in deltas], "delta"),
+    ]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for (title, measures, x_label), (left, right) in zip(rows, axes):
+        for index, (arm, entry) in enumerate(summary.items()):
+            values = {**entry["pass_at_k"], **entry["support"]}
+            for axis, source in ((left, values), (right, entry.get("minus_grpo", {}))):
+                shown = [m for m in measures if source.get(m, {}).get("mean") is not None]
+                if not shown:
+                    continue
+                xs = [float(m.split("@")[1]) for m in shown]
+                means = [source[m]["mean"] for m in shown]
+                axis.plot(xs, means, marker="o", markersize=3, label=arm, color=f"C{index}")
+                if all(source[m]["low"] is not None for m in shown):
+                    lows = [source[m]["low"] for m in shown]
+                    highs = [source[m]["high"] for m in shown]
+                    axis.fill_between(xs, lows, highs, alpha=0.15, color=f"C{index}")
+        right.axhline(0.0, color="black", linewidth=0.8)
+        left.set_title(f"{title}, mean over seeds (95% band)", fontsize=10)
+        right.set_title(f"{title}: paired difference from {BASELINE}", fontsize=10)
+        for axis in (left, right):
+            axis.set_xscale("log", base=2 if x_label == "k" else 10)
+            axis.set_xlabel(x_label)
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     temporary = out + ".tmp.png"
     fig.savefig(temporary, dpi=120)
@@ -240,19 +309,22 @@ def plot(summary: dict, baseline: str, out: str) -> None:
 
 def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="runs/study", help="directory of the study (resumable)")
-    parser.add_argument(
-        "--seeds", type=int, default=5, help="training seeds (the unit of evidence)"
-    )
-    parser.add_argument("--seed", type=int, default=3407, help="the first seed; then +1, +2, ...")
-    parser.add_argument("--steps", type=int, default=200, help="RL steps of each arm")
-    parser.add_argument("--save-every", type=int, default=50, help="checkpoints (for resuming)")
-    parser.add_argument("--eval-samples", type=int, default=64, help="samples per held-out problem")
-    parser.add_argument("--arms", default=",".join(ARMS), help=f"which of {', '.join(ARMS)}")
-    parser.add_argument("--arm", action="append", default=[], metavar="NAME='FLAGS'",
-                        help="an arm of your own: its name and its sage.py flags")  # fmt: skip
-    parser.add_argument("--demo-eval-problems", type=int, default=100, help="held-out problems")
-    parser.add_argument("--demo-sft-examples", type=int, default=2400, help="SFT examples")
+    add = parser.add_argument
+    add("--out", default="runs/study", help="directory of the study (resumable)")
+    add("--seeds", type=int, default=5, help="training seeds (the unit of evidence)")
+    add("--seed", type=int, default=3407, help="the first seed; then +1, +2, ...")
+    add("--steps", type=int, default=200, help="RL steps of each arm")
+    add("--save-every", type=int, default=50, help="checkpoints (for resuming)")
+    add("--eval-samples", type=int, default=64, help="samples per held-out problem (pass@k)")
+    add("--arms", default=",".join(ARMS), help=f"which of {', '.join(ARMS)}")
+    add("--arm", action="append", default=[], metavar="NAME='FLAGS'", help="an arm of your own")
+    add("--flags", default="", help="sage.py flags for every arm (the regime), e.g. '--lr 1e-3'")
+    add("--jobs", type=int, default=1, help="seeds trained at once, the CPU's threads split")
+    add("--demo-eval-problems", type=int, default=100, help="held-out problems")
+    add("--demo-sft-examples", type=int, default=2400, help="SFT examples of each seed's start")
+    add("--demo-sft-noise", type=float, default=0.2, help="SFT: wrong easy sums (fraction)")
+    add("--demo-hard-noise", type=float, default=0.9, help="SFT: hard sums without the carry")
+    add("--sft-epochs", type=int, default=2, help="SFT epochs of each seed's start")
     args = parser.parse_args(argv)
     arms = {}
     for name in filter(None, args.arms.split(",")):
@@ -264,13 +336,37 @@ def parse_args(argv: list[str] | None):
         if not name or not flags:
             parser.error(f"--arm {spec!r}: write NAME='sage.py flags'")
         arms[name] = shlex.split(flags)
-    numbers = (args.seeds, args.steps, args.eval_samples, args.save_every, args.demo_eval_problems)
-    if not arms or min(numbers) < 1:
-        parser.error("--arms, --seeds, --steps, --eval-samples, --save-every must be at least one")
+    numbers = (args.seeds, args.steps, args.eval_samples, args.save_every, args.jobs)
+    if not arms or min(numbers + (args.demo_eval_problems, args.sft_epochs)) < 1:
+        parser.error(
+            "--arms, --seeds, --steps, --eval-samples, --save-every, --jobs, "
+            "--demo-eval-problems and --sft-epochs must be at least one"
+        )
+    if not (0.0 <= args.demo_sft_noise <= 1.0 and 0.0 <= args.demo_hard_noise <= 1.0):
+        parser.error("--demo-sft-noise and --demo-hard-noise are fractions in [0, 1]")
     return args, arms
 
 
+def run_seed(seed: int, arms: dict, args, out: str, progress) -> dict[str, dict]:
+    """One seed's units in order: its SFT start's evaluation, then each arm trained and
+    evaluated; finished units (their results files) are not redone. {unit: measures}."""
+    seed_dir, measures = os.path.join(out, f"seed-{seed}"), {}
+    for arm in ["SFT start", *arms]:
+        result = os.path.join(seed_dir, "sft_start.json" if arm == "SFT start" else f"{arm}.json")
+        if not os.path.exists(result):  # (each results file is written atomically)
+            files = sft_start(seed_dir, seed, args)
+            adapter = None
+            if arm != "SFT start":
+                adapter = train_arm(seed_dir, seed, arm, arms[arm], files, args)
+            evaluate(files, adapter, args.eval_samples, result)
+        measures[arm] = measures_of(result)
+        progress.update(1)
+    return measures
+
+
 def main(argv: list[str] | None = None) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
     from tqdm import tqdm
 
     from machinery import runs
@@ -278,37 +374,32 @@ def main(argv: list[str] | None = None) -> dict:
     args, arms = parse_args(argv)
     out, started = os.path.abspath(args.out), time.time()
     seeds = [args.seed + i for i in range(args.seeds)]
-    units = [(seed, arm) for seed in seeds for arm in ["SFT start", *arms]]
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)  # each job's share of the cores
+    ENV.update(OMP_NUM_THREADS=str(threads))
     per_seed: dict[str, dict[str, dict]] = {}
-    with tqdm(total=len(units), desc="study", unit="arm") as progress:
-        for seed, arm in units:
-            seed_dir = os.path.join(out, f"seed-{seed}")
-            result = os.path.join(
-                seed_dir, "sft_start.json" if arm == "SFT start" else f"{arm}.json"
-            )
-            progress.set_postfix(seed=seed, arm=arm)
-            if not os.path.exists(result):  # (each results file is written atomically)
-                files = sft_start(seed_dir, seed, args)
-                adapter = (
-                    None
-                    if arm == "SFT start"
-                    else train_arm(seed_dir, seed, arm, arms[arm], files, args)
-                )
-                evaluate(files, adapter, args.eval_samples, result)
-            per_seed.setdefault(arm, {})[str(seed)] = pass_at_k_of(result)
-            progress.update(1)
-    summary = summarize(per_seed, BASELINE)
+    with tqdm(total=len(seeds) * (1 + len(arms)), desc="study", unit="arm") as progress:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futures = {
+                seed: pool.submit(run_seed, seed, arms, args, out, progress) for seed in seeds
+            }
+            for seed, future in futures.items():
+                for arm, measures in future.result().items():
+                    per_seed.setdefault(arm, {})[str(seed)] = measures
+    summary = summarize(per_seed)
     seconds = round(time.time() - started)
     study = {"arms": arms, "seeds": seeds, "steps": args.steps, "seconds": seconds}
-    study.update(eval_samples=args.eval_samples, task_seed=TASK_SEED)
+    study.update(flags=args.flags, jobs=args.jobs, eval_samples=args.eval_samples)
+    study.update(task_seed=TASK_SEED, sft=sft_settings(args))
     runs.write_json_atomic(os.path.join(out, "summary.json"), {"study": study, **summary})
-    plot(summary, BASELINE, os.path.join(out, "passk.png"))
-    ks = [k for k in next(iter(summary.values()))["pass_at_k"] if k in ("pass@1", "pass@8")]
-    ks.append(list(next(iter(summary.values()))["pass_at_k"])[-1])
-    print(format_table(summary, list(dict.fromkeys(ks))))
-    for line in distinguishable(summary, BASELINE) or [
-        "no difference from grpo excludes zero at 95%"
-    ]:
+    plot(summary, os.path.join(out, "passk.png"))
+    passes = list(next(iter(summary.values()))["pass_at_k"])
+    shown = [k for k in dict.fromkeys(["pass@1", "pass@8", passes[-1]]) if k in passes]
+    print(format_table(summary, shown))
+    probe = ["hard/mean_logp_full", "hard/supp@0.01", "hard/supp@0.001", "hard/outside"]
+    print(format_table(summary, probe, part="support"))
+    print(format_table(summary, probe, part="minus_sft_start"))
+    print(format_table(summary, probe, part="minus_grpo"))
+    for line in distinguishable(summary) or ["no difference from grpo excludes zero at 95%"]:
         print(line)
     print(f"[compare] wrote {out}/summary.json and passk.png ({seconds} s)", file=sys.stderr)
     return summary

@@ -218,11 +218,18 @@ def demo_problems(seed: int, num_held_out: int) -> tuple[list[dict], list[dict]]
     (neither in SFT nor in RL); every sum still appears in training under other phrasings.
 
     >>> train, held_out = demo_problems(seed=0, num_held_out=100)
-    >>> len(train), len(held_out), held_out[0]
-    (300, 100, {'problem': 'Compute 5 + 0.', 'answer': '5', 'working': '5+0=5'})
+    >>> len(train), len(held_out), held_out[0]["problem"], held_out[0]["working"]
+    (300, 100, 'Compute 5 + 0.', '5+0=5')
+    >>> held_out[0]["difficulty"], sum(p["difficulty"] == "hard" for p in train + held_out)
+    ('easy', 180)
     """
     problems = [
-        {"problem": template.format(a=a, b=b), "answer": str(a + b), "working": f"{a}+{b}={a + b}"}
+        {
+            "problem": template.format(a=a, b=b),
+            "answer": str(a + b),
+            "working": f"{a}+{b}={a + b}",
+            "difficulty": "hard" if a + b >= 10 else "easy",  # a carry: rare in the SFT data
+        }
         for template in DEMO_TEMPLATES
         for a in range(10)
         for b in range(10)
@@ -269,23 +276,33 @@ def demo_sft_examples(
 
 def write_demo_summary(run_dir: str, steps: int, eval_n: int) -> dict:
     """Print pass@1 and pass@n of the SFT start (the evaluation before any update) and of the RL
-    result (after the last step), from <run>/eval.jsonl; write summary.json, the pass@k plot
-    passk.png and the training curves curves.png."""
-    from extras.analysis import plot_pass_at_k, plot_run
+    result (after the last step), and the support probe of the hard sums, from <run>/eval.jsonl;
+    write summary.json, the pass@k plot passk.png, the training curves curves.png and the guide
+    map guide_map.png."""
+    import json
+
+    from extras.analysis import plot_guide_map, plot_pass_at_k, plot_run
     from machinery.runs import read_jsonl, write_json_atomic
 
-    rows = {
-        row["step"]: row
-        for row in read_jsonl(os.path.join(run_dir, "eval.jsonl"))
-        if row["benchmark"] == "demo"
-    }
+    evaluations = [
+        row for row in read_jsonl(os.path.join(run_dir, "eval.jsonl")) if row["benchmark"] == "demo"
+    ]
+    rows = {row["step"]: row for row in evaluations}
     stages = {"SFT start": rows[0], "after RL": rows[steps]}
     table = {
         label: {f"pass@{k}": row[f"pass@{k}"] for k in (1, eval_n)} for label, row in stages.items()
     }
-    print(f"\n{'':14}{'pass@1':>10}{f'pass@{eval_n}':>10}")
+    for label, row in stages.items():  # the support probe of the hard sums, exact
+        hard = row.get("support", {}).get("hard")
+        if hard:
+            table[label] |= {
+                "hard log pi(y*)": hard["mean_logp_full"],
+                "hard supp": hard["supp@0.01"],
+            }
+    columns = list(table["SFT start"])
+    print("\n" + f"{'':14}" + "".join(f"{column:>17}" for column in columns))
     for label, values in table.items():
-        print(f"{label:14}{values['pass@1']:>10.3f}{values[f'pass@{eval_n}']:>10.3f}")
+        print(f"{label:14}" + "".join(f"{values[column]:>17.3f}" for column in columns))
     files = {
         label: {"model": {"name": label}, "benchmarks": {"demo": {"pass_at_k": row["pass_at_k"]}}}
         for label, row in stages.items()
@@ -296,6 +313,10 @@ def write_demo_summary(run_dir: str, steps: int, eval_n: int) -> dict:
     )
     plot_pass_at_k(files, os.path.join(run_dir, "passk.png"))
     plot_run([run_dir], os.path.join(run_dir, "curves.png"))
+    if any(row.get("guide_map") for row in evaluations):
+        with open(os.path.join(run_dir, "config.json")) as handle:
+            tau = json.load(handle)["guide"]["tau"]
+        plot_guide_map(evaluations, tau, os.path.join(run_dir, "guide_map.png"))
     return table
 
 
@@ -373,6 +394,11 @@ def sage_flags(files: dict[str, str]) -> list[str]:
         "working",
         "--eval-benchmarks",
         files["held_out"],
+        # the support probe at every evaluation: log pi(y*|x) of each held-out sum's solution
+        "--eval-solution-key",
+        "working",
+        "--eval-group-key",
+        "difficulty",
     ]
 
 

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -228,11 +227,14 @@ def tokenize_sft_examples(
 
 @dataclass(frozen=True)
 class Problem:
-    """One evaluation problem: the text shown to the model, its reference answer, its grader."""
+    """One evaluation problem: the text shown to the model, its reference answer, its grader, and
+    (for evaluate.py's support probe) a reference solution and a group such as easy / hard."""
 
     problem: str
     answer: str
     grader: str = "math"
+    solution: str = ""
+    group: str = ""
 
 
 @dataclass(frozen=True)
@@ -289,10 +291,27 @@ BENCHMARKS = {
 
 
 def rows_to_problems(
-    rows: list[dict], problem_key: str, answer_key: str, grader: str, where: str
+    rows: list[dict],
+    problem_key: str,
+    answer_key: str,
+    grader: str,
+    where: str,
+    solution_key: str = "",
+    group_key: str = "",
 ) -> list[Problem]:
+    """Rows -> Problems; ``solution_key`` and ``group_key`` (optional) fill ``solution`` and
+    ``group`` where a row has them ("" where it does not)."""
     require_fields(rows, (problem_key, answer_key), where, "--problem-key / --answer-key")
-    return [Problem(str(row[problem_key]), str(row[answer_key]), grader) for row in rows]
+    return [
+        Problem(
+            problem=str(row[problem_key]),
+            answer=str(row[answer_key]),
+            grader=grader,
+            solution=str(row.get(solution_key) or "").strip() if solution_key else "",
+            group=str(row.get(group_key) or "") if group_key else "",
+        )
+        for row in rows
+    ]
 
 
 def load_benchmark(name: str) -> list[Problem]:
@@ -331,9 +350,16 @@ def load_benchmark(name: str) -> list[Problem]:
 
 
 def resolve_benchmarks(
-    spec: str, problem_key: str = "problem", answer_key: str = "answer", grader: str = "math"
+    spec: str,
+    problem_key: str = "problem",
+    answer_key: str = "answer",
+    grader: str = "math",
+    solution_key: str = "",
+    group_key: str = "",
 ) -> dict[str, tuple[str, list[Problem]]]:
-    """``aime,amc23,path/to/mine.jsonl`` -> {name: (source, problems)}; files are named by stem."""
+    """``aime,amc23,path/to/mine.jsonl`` -> {name: (source, problems)}; files are named by stem.
+    Local files' ``solution_key`` and ``group_key`` fields fill each problem's reference solution
+    and group (the support probe's input)."""
     if grader not in GRADERS:
         raise DataError(f"unknown grader {grader!r}; use one of {', '.join(GRADERS)}")
     resolved = {}
@@ -342,7 +368,15 @@ def resolve_benchmarks(
             continue
         if os.path.splitext(entry)[1].lower() in LOCAL_FORMATS:
             name = os.path.splitext(os.path.basename(entry))[0]
-            problems = rows_to_problems(load_rows(entry), problem_key, answer_key, grader, entry)
+            problems = rows_to_problems(
+                load_rows(entry),
+                problem_key=problem_key,
+                answer_key=answer_key,
+                grader=grader,
+                where=entry,
+                solution_key=solution_key,
+                group_key=group_key,
+            )
             resolved[name] = (os.path.abspath(entry), problems)
         else:
             sources = BENCHMARKS[entry].sources if entry in BENCHMARKS else ()
@@ -356,5 +390,5 @@ def resolve_benchmarks(
 
 def problems_fingerprint(problems: Sequence[Problem]) -> str:
     """sha256 of the problems, answers and graders (a resumed run must see the same ones)."""
-    payload = json.dumps([dataclasses.astuple(p) for p in problems], ensure_ascii=False)
+    payload = json.dumps([(p.problem, p.answer, p.grader) for p in problems], ensure_ascii=False)
     return hashlib.sha256(payload.encode()).hexdigest()

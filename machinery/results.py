@@ -175,6 +175,8 @@ def merge_existing(results: dict, out: str) -> None:
     for name, entry in existing["benchmarks"].items():
         if name in results["benchmarks"]:
             results["benchmarks"][name]["seeds"] = entry["seeds"]
+            if "support" in entry:  # the support probe of the same model and problems
+                results["benchmarks"][name]["support"] = entry["support"]
         else:
             results["benchmarks"][name] = entry  # keep what an earlier run measured
     results["runs"] = existing.get("runs", [])

@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 
+import torch
 from tqdm import tqdm
 
 from machinery import runs
@@ -131,10 +132,12 @@ class RunLogger:
 
         if config.eval.eval_every <= 0:
             return {}
-        return {
-            name: problems
-            for name, (_, problems) in resolve_benchmarks(config.eval.eval_benchmarks).items()
-        }
+        resolved = resolve_benchmarks(
+            config.eval.eval_benchmarks,
+            solution_key=config.eval.eval_solution_key,
+            group_key=config.eval.eval_group_key,
+        )
+        return {name: problems for name, (_, problems) in resolved.items()}
 
     def progress_bar(self, start: int):
         self.finished = start >= self.config.steps
@@ -171,10 +174,11 @@ class RunLogger:
                 "--sft-dataset"
             )
 
-    def evaluate(self, engine, updates: int, first: bool = False) -> None:
+    def evaluate(self, engine, updates: int, first: bool = False, policy=None) -> None:
         """pass@k after ``updates`` optimizer steps, when due: before the first step (``first``,
-        not on a resume), every --eval-every steps and after the last. Rows go to eval.jsonl and
-        the trackers."""
+        not on a resume), every --eval-every steps and after the last; with
+        --eval-solution-key, also the support probe of ``policy`` (evaluate.support_probe) and
+        the guide map of a few problems. Rows go to eval.jsonl and the trackers."""
         from evaluate import EvalSampling, evaluation_rows
 
         every, config = self.config.eval.eval_every, self.config
@@ -199,13 +203,18 @@ class RunLogger:
             updates,
         )
         for row in rows:
+            if policy is not None and config.eval.eval_solution_key:
+                row.update(self._support(policy, self.benchmarks[row["benchmark"]], updates))
             runs.append_jsonl(os.path.join(self.run_dir, "eval.jsonl"), row)
+            numbers = {key: value for key, value in row.items() if key.startswith("pass@")}
+            for group, entry in row.get("support", {}).items():
+                numbers |= {
+                    f"support/{group}/{key}": value
+                    for key, value in entry.items()
+                    if isinstance(value, float)
+                }
             self.trackers.log_extra(
-                {
-                    f"eval/{row['benchmark']}/{key}": value
-                    for key, value in row.items()
-                    if key.startswith("pass@")
-                },
+                {f"eval/{row['benchmark']}/{key}": value for key, value in numbers.items()},
                 row["step"],
             )
             n = row["n"]
@@ -214,5 +223,60 @@ class RunLogger:
                 f"{row['pass@1']:.3f}, pass@{n} {row[f'pass@{n}']:.3f}"
             )
 
+    def _support(self, policy, problems, updates: int) -> dict:
+        """{"support": the probe's summary per group, "guide_map": per token of y*, for the
+        first ``GUIDE_MAP_PROBLEMS`` problems of the "hard" group (or the first problems): the
+        tokens, H_t and the branch guide's q_t at this policy}; {} when no problem has y*."""
+        import dataclasses
+
+        import guides
+        from evaluate import reference_completion_ids, support_probe
+
+        config = self.config
+        probed = support_probe(
+            policy,
+            self.tokenizer,
+            problems,
+            temperature=config.temperature,
+            min_p=config.min_p,
+            batch_size=config.micro_batch_size,
+        )
+        if probed is None:
+            return {}
+        summary, probes = probed
+        summary.pop("per_problem_logp")
+        with_solution = [p for p in problems if p.solution]
+        shown = [i for i, p in enumerate(with_solution) if p.group == "hard"] or list(
+            range(len(with_solution))
+        )
+        branch = dataclasses.replace(config.guide, name="branch")
+        guide_map = []
+        for index in shown[:GUIDE_MAP_PROBLEMS]:
+            probe, problem = probes[index], with_solution[index]
+            entropies = torch.tensor([probe.entropies])  # [1, C]
+            log_q = guides.compute_log_q(
+                branch,
+                logps=torch.tensor([probe.token_logps]),
+                entropies=entropies,
+                completion_mask=torch.ones_like(entropies),
+                step=updates,
+                total_steps=config.steps,
+            )
+            ids = reference_completion_ids(self.tokenizer, problem.solution, problem.answer)
+            guide_map.append(
+                {
+                    "problem": problem.problem,
+                    "tokens": [self.tokenizer.decode([token]) for token in ids],
+                    "entropy": probe.entropies,
+                    "q": log_q.exp()[0].tolist(),
+                    "logp": probe.token_logps_full,
+                    "kept": probe.kept,
+                }
+            )
+        return {"support": summary, "guide_map": guide_map}
+
     def close(self) -> None:
         self.trackers.close()
+
+
+GUIDE_MAP_PROBLEMS = 3  # problems whose y* the guide map draws

@@ -32,7 +32,7 @@ def test_differences_are_paired_by_seed_and_only_over_the_seeds_both_have():
         "grpo": {"1": {"pass@1": 0.30}, "2": {"pass@1": 0.50}, "3": {"pass@1": 0.40}},
         "guided": {"1": {"pass@1": 0.35}, "2": {"pass@1": 0.56}},
     }
-    summary = compare.summarize(per_seed, "grpo")
+    summary = compare.summarize(per_seed)
     difference = summary["guided"]["minus_grpo"]["pass@1"]
     assert difference["seeds"] == 2 and difference["mean"] == pytest.approx(0.055)
     assert summary["guided"]["pass_at_k"]["pass@1"]["mean"] == pytest.approx(0.455)
@@ -41,7 +41,28 @@ def test_differences_are_paired_by_seed_and_only_over_the_seeds_both_have():
     guided = {seed: {"pass@1": v["pass@1"] + 0.05} for seed, v in per_seed["grpo"].items()}
     shifted = {"grpo": per_seed["grpo"], "guided": guided}
     shifted["guided"]["3"]["pass@1"] += 0.001
-    assert compare.distinguishable(compare.summarize(shifted, "grpo"), "grpo")
+    assert compare.distinguishable(compare.summarize(shifted))
+
+
+def test_probe_measures_are_summarized_and_paired_with_grpo_and_with_the_sft_start():
+    per_seed = {
+        "SFT start": {"1": {"hard/mean_logp_full": -8.0}, "2": {"hard/mean_logp_full": -9.0}},
+        "grpo": {"1": {"hard/mean_logp_full": -8.45}, "2": {"hard/mean_logp_full": -9.45}},
+        "guided": {"1": {"hard/mean_logp_full": -8.1}, "2": {"hard/mean_logp_full": -9.1}},
+    }
+    summary = compare.summarize(per_seed)
+    assert summary["guided"]["support"]["hard/mean_logp_full"]["mean"] == pytest.approx(-8.6)
+    assert summary["guided"]["pass_at_k"] == {}
+    to_grpo = summary["guided"]["minus_grpo"]["hard/mean_logp_full"]
+    to_start = summary["grpo"]["minus_sft_start"]["hard/mean_logp_full"]
+    assert to_grpo["mean"] == pytest.approx(0.35) and to_start["mean"] == pytest.approx(-0.45)
+    assert to_start["high"] < 0  # the same drop on both seeds: the interval excludes zero
+    assert "minus_sft_start" not in summary["SFT start"] and "minus_grpo" not in summary["grpo"]
+    # a seed without the measure (every y* outside the support) is left out, and counted
+    per_seed["guided"]["2"]["hard/mean_logp_full"] = None
+    partial = compare.summarize(per_seed)["guided"]
+    assert partial["support"]["hard/mean_logp_full"]["seeds"] == 1
+    assert partial["minus_grpo"]["hard/mean_logp_full"]["seeds"] == 1
 
 
 def test_arms_are_chosen_and_added_by_flag():
@@ -61,7 +82,7 @@ def test_arms_are_chosen_and_added_by_flag():
 TINY = ["--seeds", "2", "--steps", "6", "--save-every", "1", "--eval-samples", "4"]
 TINY += [
     "--demo-eval-problems",
-    "4",
+    "12",
     "--demo-sft-examples",
     "32",
     "--arms",
@@ -96,9 +117,21 @@ def test_a_killed_study_finishes_without_redoing_what_was_done(tmp_path):
     assert steps == list(range(6)) and stopped_at < 6  # the killed arm resumed, each step once
     summary = json.loads((out / "summary.json").read_text())
     assert summary["study"]["seeds"] == [3407, 3408]
+    probe = ["mean_logp_full", "mean_logp", "outside"] + [
+        f"supp@{delta:g}" for delta in (1e-1, 1e-2, 1e-3, 1e-4)
+    ]
     for arm in ("SFT start", "grpo", "branch_k1_return_ref"):
         assert set(summary[arm]["per_seed"]) == {"3407", "3408"}
         assert {"pass@1", "pass@4"} <= summary[arm]["pass_at_k"].keys()
+        for seed in ("3407", "3408"):  # the support probe, per arm and per seed
+            measures = summary[arm]["per_seed"][seed]
+            assert {f"{group}/{key}" for group in ("all", "easy", "hard") for key in probe} <= set(
+                measures
+            )
+            assert 0.0 <= measures["hard/supp@0.0001"] <= 1.0
+            assert measures["all/mean_logp_full"] < 0.0
+        assert summary[arm]["support"]["all/supp@0.001"]["low"] is not None
+    assert summary["grpo"]["minus_sft_start"]["hard/mean_logp_full"]["seeds"] == 2
     difference = summary["branch_k1_return_ref"]["minus_grpo"]["pass@4"]
     assert (
         difference["seeds"] == 2 and difference["low"] <= difference["mean"] <= difference["high"]

@@ -1,0 +1,88 @@
+"""The support probe (evaluate.py, section 3): log pi(y*|x) of a known solution, exactly."""
+
+import math
+
+import pytest
+import torch
+
+import evaluate
+import loss
+from machinery.data import Problem
+from machinery.task import build_prompt_ids
+
+PROBLEMS = [
+    Problem(problem="What is 7 + 5?", answer="12", solution="7+5=12", group="hard"),
+    Problem(problem="Add 2 and 3.", answer="5", solution="2+3=5", group="easy"),
+    Problem(problem="What is the sum of 9 and 9?", answer="18", solution="9+9=18", group="hard"),
+    Problem(problem="Compute 1 + 1.", answer="2", group="easy"),  # no reference: not probed
+]
+
+
+def definition_logps(model, tokenizer, problem, temperature, min_p):
+    """The per-token log-probs of y* by the definition, on the one unpadded sequence."""
+    prompt = build_prompt_ids(tokenizer, problem.problem)
+    completion = evaluate.reference_completion_ids(tokenizer, problem.solution, problem.answer)
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, len(prompt) - 1 : -1]  # [1, C, V]
+    logps, entropies = loss.token_logps_and_entropies(
+        logits, torch.tensor([completion]), temperature, min_p
+    )
+    return logps[0], entropies[0], logits[0]
+
+
+@pytest.mark.parametrize("temperature, min_p", [(1.0, 0.0), (0.7, 0.0), (1.0, 1e-4)])
+def test_probe_equals_the_definition_summed_over_y_star(tiny, temperature, min_p):
+    model, tokenizer = tiny
+    summary, probes = evaluate.support_probe(
+        model, tokenizer, PROBLEMS, temperature=temperature, min_p=min_p, batch_size=2
+    )
+    assert len(probes) == 3  # the problem without a reference solution is left out
+    for problem, probe, logp in zip(PROBLEMS, probes, summary["per_problem_logp"]):
+        expected, entropies, _ = definition_logps(model, tokenizer, problem, temperature, min_p)
+        assert all(probe.kept)  # a random model's distribution is flat: min-p keeps y*
+        assert probe.logp == pytest.approx(expected.sum().item(), abs=1e-4)
+        assert logp == pytest.approx(expected.sum().item(), abs=1e-4)
+        assert probe.entropies == pytest.approx(entropies.tolist(), abs=1e-4)
+    assert summary["all"]["problems"] == 3 and summary["hard"]["problems"] == 2
+    assert summary["all"]["outside"] == 0.0
+    hard = [probes[0].logp, probes[2].logp]
+    assert summary["hard"]["mean_logp"] == pytest.approx(sum(hard) / 2)
+    for delta in evaluate.SUPPORT_DELTAS:
+        expected = sum(logp >= math.log(delta) for logp in hard) / 2
+        assert summary["hard"][evaluate.supp_key(delta)] == expected
+
+
+def test_a_token_that_min_p_removes_puts_y_star_outside_the_support(tiny):
+    model, tokenizer = tiny
+    problem = PROBLEMS[0]
+    _, _, logits = definition_logps(model, tokenizer, problem, 1.0, 0.0)
+    # the min-p that removes the least likely token of y*, and no more
+    probs = logits.float().softmax(dim=-1)  # [C, V]
+    completion = evaluate.reference_completion_ids(tokenizer, problem.solution, problem.answer)
+    relative = probs[torch.arange(len(completion)), completion] / probs.max(dim=-1).values
+    weakest = int(relative.argmin())
+    min_p = float(relative[weakest]) * 1.01
+    summary, (probe,) = evaluate.support_probe(
+        model, tokenizer, [problem], temperature=1.0, min_p=min_p
+    )
+    assert probe.kept[weakest] is False and sum(probe.kept) == len(completion) - 1
+    assert probe.logp == -math.inf and summary["per_problem_logp"] == [None]
+    assert summary["all"]["outside"] == 1.0 and summary["all"]["mean_logp"] is None
+    assert all(summary["all"][evaluate.supp_key(d)] == 0.0 for d in evaluate.SUPPORT_DELTAS)
+    # the full softmax still gives a finite log-prob, the same as without min-p
+    expected, _, _ = definition_logps(model, tokenizer, problem, 1.0, 0.0)
+    assert summary["all"]["mean_logp_full"] == pytest.approx(expected.sum().item(), abs=1e-4)
+    # just below that min-p, every token is kept again
+    _, (kept,) = evaluate.support_probe(model, tokenizer, [problem], 1.0, min_p / 1.02)
+    assert all(kept.kept) and kept.logp > -math.inf
+
+
+def test_the_probe_leaves_the_policy_in_training_mode(tiny):
+    model, tokenizer = tiny
+    model.train()
+    try:
+        evaluate.support_probe(model, tokenizer, PROBLEMS[:1], temperature=1.0, min_p=0.0)
+        assert model.training
+    finally:
+        model.eval()
