@@ -603,10 +603,12 @@ class EvalArgs:
     grader: str = "math"
     """Grader for local files: math | knights_knaves."""
     solution_key: str = ""
-    """Column holding a reference solution, for local files: the support probe, log pi(y*|x)
-    teacher-forced at --temperature and --min-p, goes into the results file."""
+    """Column holding a reference solution (local files, or a named benchmark's own column such
+    as MATH-500's solution): the support probe, log pi(y*|x) teacher-forced at --temperature
+    and --min-p, goes into the results file."""
     group_key: str = ""
-    """Column grouping the problems (e.g. easy / hard) for the support probe's summaries."""
+    """Column grouping the problems (e.g. easy / hard, MATH-500's level) for the support probe's
+    summaries."""
     limit: int | None = None
     """Evaluate only the first LIMIT problems of each benchmark."""
     backend: str = "vllm"

@@ -314,8 +314,10 @@ def rows_to_problems(
     ]
 
 
-def load_benchmark(name: str) -> list[Problem]:
-    """A benchmark by name (``BENCHMARKS``), from the hub or the local datasets cache.
+def load_benchmark(name: str, solution_key: str = "", group_key: str = "") -> list[Problem]:
+    """A benchmark by name (``BENCHMARKS``), from the hub or the local datasets cache; its rows'
+    ``solution_key`` and ``group_key`` fields (MATH-500: solution, level) fill the problems'
+    reference solution and group.
 
     Offline and not cached, it raises one line naming the fixes: run once online (the cache
     then serves offline runs, e.g. with HF_HUB_OFFLINE=1), or pass a local file.
@@ -338,7 +340,13 @@ def load_benchmark(name: str) -> list[Problem]:
                 row for row in rows if str(row["level"]).removeprefix("Level ") == str(source.level)
             ]
         problems += rows_to_problems(
-            rows, source.problem_key, source.answer_key, benchmark.grader, source.path
+            rows,
+            problem_key=source.problem_key,
+            answer_key=source.answer_key,
+            grader=benchmark.grader,
+            where=source.path,
+            solution_key=solution_key,
+            group_key=group_key,
         )
     if benchmark.paper_size and len(problems) != benchmark.paper_size:
         print(
@@ -380,7 +388,8 @@ def resolve_benchmarks(
             resolved[name] = (os.path.abspath(entry), problems)
         else:
             sources = BENCHMARKS[entry].sources if entry in BENCHMARKS else ()
-            resolved[entry] = ("hub:" + ",".join(s.path for s in sources), load_benchmark(entry))
+            problems = load_benchmark(entry, solution_key=solution_key, group_key=group_key)
+            resolved[entry] = ("hub:" + ",".join(s.path for s in sources), problems)
         if not resolved[list(resolved)[-1]][1]:
             raise DataError(f"benchmark {entry!r} has no problems")
     if not resolved:

@@ -136,7 +136,9 @@ def test_two_step_cli_run(tmp_path, algo, guide):
                 and record["q/max"] <= 1.4 + 1e-6
             )
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert set(summary["before"]) == set(summary["after"]) == {"pass@1", "pass@2"}
+    probed = {"hard log pi(y*)", "hard supp"}  # when a held-out sum is hard
+    assert set(summary["before"]) == set(summary["after"])
+    assert {"pass@1", "pass@2"} <= set(summary["before"]) <= {"pass@1", "pass@2"} | probed
     assert (run_dir / "passk.png").stat().st_size > 0 and (
         run_dir / "curves.png"
     ).stat().st_size > 0
@@ -144,6 +146,14 @@ def test_two_step_cli_run(tmp_path, algo, guide):
     assert [row["step"] for row in evaluations] == [0, 2] and all(
         "pass@1" in row for row in evaluations
     )
+    for row in evaluations:  # the support probe of both held-out sums, at each evaluation
+        assert (
+            row["support"]["all"]["problems"] == 2 and row["support"]["all"]["mean_logp_full"] < 0
+        )
+        for shown in row["guide_map"]:
+            assert len(shown["tokens"]) == len(shown["entropy"]) == len(shown["q"])
+            assert all(0.6 - 1e-6 <= q <= 1.4 + 1e-6 for q in shown["q"])
+    assert (run_dir / "guide_map.png").stat().st_size > 0
     if trackers:
         assert os.listdir(run_dir / "tensorboard") and any(
             name.startswith("offline-run-") for name in os.listdir(run_dir / "wandb")

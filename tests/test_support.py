@@ -86,3 +86,21 @@ def test_the_probe_leaves_the_policy_in_training_mode(tiny):
         assert model.training
     finally:
         model.eval()
+
+
+def test_evaluate_cli_probes_the_saved_model_and_names_a_missing_solution_field(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = evaluate.EvalArgs(model=str(tiny_model_dir), solution_key="working", temperature=1.0)
+    results = {"benchmarks": {"sums": {}, "bare": {}}}
+    evaluate.probe_benchmarks(args, {"sums": PROBLEMS}, results)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected, _ = evaluate.support_probe(model, tokenizer, PROBLEMS, temperature=1.0, min_p=0.01)
+    probed = results["benchmarks"]["sums"]["support"]
+    assert probed["per_problem_logp"] == pytest.approx(expected["per_problem_logp"], abs=1e-4)
+    for group in ("all", "easy", "hard"):
+        assert probed[group] == pytest.approx(expected[group], abs=1e-4)
+    without = [Problem(problem="Add 2 and 3.", answer="5")]
+    with pytest.raises(evaluate.EvalError, match="--solution-key working: no problem of bare"):
+        evaluate.probe_benchmarks(args, {"bare": without}, results)
