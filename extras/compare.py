@@ -1,18 +1,22 @@
 """Does the guide widen support? GRPO against SAGE on the CPU demo, with training seeds as the unit
-of evidence (the paper's Figure 3 question, on a laptop).
+of evidence (the paper's Figure 3 question, on a laptop), measured exactly by the support probe.
 
-    python -m extras.compare                          # the study: 5 seeds x 5 arms, ~1 hour
+    python -m extras.compare                                 # the study (docs/compare.md)
     python -m extras.compare --seeds 1 --out runs/compare    # make compare: one seed, quick
-    python -m extras.compare --seeds 2 --steps 20 --eval-samples 8    # a smoke test
+    python -m extras.compare --seeds 2 --steps 20 --eval-samples 8 --demo-sft-examples 400 \
+        --jobs 2 --out runs/tiny                             # a tiny study, ~7 minutes
 
 For each training seed s, the demo's SFT start is made afresh from s (its random init and its SFT
 examples), on one task split shared by every seed, so the held-out problems are the same for all.
 Each start is its own seed's: RL's outcome depends on where it starts (the demo's SFT is sensitive
 to the CPU's float32 rounding), and an interval over seeds should cover that too; the arms of one
 seed share its start, so their paired differences do not. Then every arm trains from that start
-with seed s, and evaluate.py samples ``--eval-samples`` completions per held-out problem (the same
-sampling seed for every arm) for pass@k, k = 1, 2, 4, ... The arms (``ARMS``; any subset by
-``--arms``, more by ``--arm NAME='flags'``):
+with seed s, and evaluate.py measures each policy (the start's and every arm's) on the held-out
+sums twice: the support probe (evaluate.support_probe: log pi(y*|x) of each sum's solution,
+teacher-forced at the training temperature and min-p, exact) per group, easy and hard, and pass@k
+from ``--eval-samples`` completions per problem (the same sampling seed for every arm). The arms
+(``ARMS``; any subset by ``--arms``, more by ``--arm NAME='flags'``; ``--flags`` adds sage.py
+flags to every arm, the regime):
 
     grpo                  GRPO with its reverse-KL anchor (no guide)
     grpo_no_kl            GRPO without KL: the support-narrowing baseline
@@ -22,11 +26,14 @@ sampling seed for every arm) for pass@k, k = 1, 2, 4, ... The arms (``ARMS``; an
                           Theorem 4.3's q: toy/ predicts it lifts y2 and the policy's q does not
 
 The k1_return arms use RLOO's advantage (GRPO's std would rescale the KL term they carry).
-<out>/summary.json holds per arm the per-seed pass@k, their mean with a 95% Student t interval
-over seeds, and each arm's difference from GRPO paired by seed with its interval; passk.png draws
-the means with bands and the paired differences. Every stage is a subprocess of the repository's
-own CLIs, and each writes its result atomically: a killed study run again continues where it
-stopped (a half-trained arm resumes from its checkpoint; finished arms are not redone).
+<out>/summary.json holds per arm the per-seed measures (pass@k and "<group>/<probe measure>"),
+their mean with a 95% Student t interval over seeds, and each arm's difference from GRPO and from
+the SFT start, paired by seed, with its interval; passk.png draws the means with bands and the
+paired differences, for pass@k and for the hard sums' supp_delta. ``--jobs`` trains that many
+seeds at once, the cores split between them (the tiny model gains little from a second thread).
+Every stage is a subprocess of the repository's own CLIs, and each writes its result atomically:
+a killed study run again continues where it stopped (a half-trained arm resumes from its
+checkpoint; finished arms are not redone).
 """
 
 from __future__ import annotations
@@ -185,6 +192,9 @@ def interval(values: list[float | None], confidence: float = 0.95) -> dict[str, 
 
 # each arm's difference, paired by seed, from these (the key it is stored under)
 PAIRED_WITH = {BASELINE: "minus_grpo", "SFT start": "minus_sft_start"}
+# and the toy's prediction (docs/fixed-points.md): under k1_return, q held at pi_ref's entropies
+# lifts the rare y*, q recomputed from the policy does not
+CONTRASTS = (("branch_k1_return_ref", "branch_k1_return"),)
 
 
 def paired_difference(seeds: dict, reference: dict, measure: str) -> dict:
@@ -213,12 +223,19 @@ def summarize(per_seed: dict[str, dict[str, dict[str, float]]]) -> dict:
             part = "pass_at_k" if measure.startswith("pass@") else "support"
             entry[part][measure] = interval([values.get(measure) for values in seeds.values()])
         for reference, key in PAIRED_WITH.items():
-            if reference in per_seed and arm != reference:
+            if reference in per_seed and arm not in (reference, "SFT start"):
                 entry[key] = {
                     measure: paired_difference(seeds, per_seed[reference], measure)
                     for measure in measures
                 }
         summary[arm] = entry
+    for first, second in CONTRASTS:
+        if first in per_seed and second in per_seed:
+            measures = list(dict.fromkeys(m for v in per_seed[first].values() for m in v))
+            summary.setdefault("contrasts", {})[f"{first} - {second}"] = {
+                measure: paired_difference(per_seed[first], per_seed[second], measure)
+                for measure in measures
+            }
     return summary
 
 
@@ -234,6 +251,20 @@ def distinguishable(summary: dict) -> list[str]:
     return found
 
 
+def format_interval(value: dict, sign: str = "") -> str:
+    """'mean [low, high]' of an ``interval`` ('-' without a mean; no bounds from one seed).
+
+    >>> format_interval({"mean": 0.25, "low": -0.01, "high": 0.51}, sign="+")
+    '+0.250 [-0.01,+0.51]'
+    """
+    if value.get("mean") is None:
+        return "-"
+    bounds = (
+        "" if value["low"] is None else f" [{value['low']:{sign}.2f},{value['high']:{sign}.2f}]"
+    )
+    return f"{value['mean']:{sign}.3f}{bounds}"
+
+
 def format_table(summary: dict, measures: list[str], part: str = "pass_at_k") -> str:
     """One row per arm: mean [95% interval] of each of ``measures`` in ``part`` of its entry
     ("pass_at_k", "support", "minus_grpo" or "minus_sft_start"); arms without it are left out."""
@@ -241,19 +272,8 @@ def format_table(summary: dict, measures: list[str], part: str = "pass_at_k") ->
     for arm, entry in summary.items():
         if part not in entry:
             continue
-        cells = []
-        for measure in measures:
-            value = entry[part].get(measure, {"mean": None})
-            if value["mean"] is None:
-                cells.append("-")
-                continue
-            sign = "+" if part.startswith("minus_") else ""
-            bounds = (
-                ""
-                if value["low"] is None
-                else f" [{value['low']:{sign}.2f},{value['high']:{sign}.2f}]"
-            )
-            cells.append(f"{value['mean']:{sign}.3f}{bounds}")
+        sign = "+" if part.startswith("minus_") else ""
+        cells = [format_interval(entry[part].get(measure, {}), sign=sign) for measure in measures]
         lines.append(f"{arm:22}" + "".join(f"{cell:>24}" for cell in cells))
     return "\n".join(lines)
 
@@ -386,11 +406,14 @@ def main(argv: list[str] | None = None) -> dict:
                 for arm, measures in future.result().items():
                     per_seed.setdefault(arm, {})[str(seed)] = measures
     summary = summarize(per_seed)
+    contrasts = summary.pop("contrasts", {})
     seconds = round(time.time() - started)
     study = {"arms": arms, "seeds": seeds, "steps": args.steps, "seconds": seconds}
     study.update(flags=args.flags, jobs=args.jobs, eval_samples=args.eval_samples)
     study.update(task_seed=TASK_SEED, sft=sft_settings(args))
-    runs.write_json_atomic(os.path.join(out, "summary.json"), {"study": study, **summary})
+    runs.write_json_atomic(
+        os.path.join(out, "summary.json"), {"study": study, **summary, "contrasts": contrasts}
+    )
     plot(summary, os.path.join(out, "passk.png"))
     passes = list(next(iter(summary.values()))["pass_at_k"])
     shown = [k for k in dict.fromkeys(["pass@1", "pass@8", passes[-1]]) if k in passes]
@@ -401,6 +424,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(format_table(summary, probe, part="minus_grpo"))
     for line in distinguishable(summary) or ["no difference from grpo excludes zero at 95%"]:
         print(line)
+    for name, differences in contrasts.items():
+        print(f"{name}, paired by seed:")
+        for measure in probe:
+            print(f"  {measure}: {format_interval(differences[measure], sign='+')}")
     print(f"[compare] wrote {out}/summary.json and passk.png ({seconds} s)", file=sys.stderr)
     return summary
 

@@ -57,7 +57,8 @@ def test_probe_measures_are_summarized_and_paired_with_grpo_and_with_the_sft_sta
     to_start = summary["grpo"]["minus_sft_start"]["hard/mean_logp_full"]
     assert to_grpo["mean"] == pytest.approx(0.35) and to_start["mean"] == pytest.approx(-0.45)
     assert to_start["high"] < 0  # the same drop on both seeds: the interval excludes zero
-    assert "minus_sft_start" not in summary["SFT start"] and "minus_grpo" not in summary["grpo"]
+    assert "minus_grpo" not in summary["grpo"]  # and the start is paired with no arm
+    assert not {"minus_grpo", "minus_sft_start"} & set(summary["SFT start"])
     # a seed without the measure (every y* outside the support) is left out, and counted
     per_seed["guided"]["2"]["hard/mean_logp_full"] = None
     partial = compare.summarize(per_seed)["guided"]
