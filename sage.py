@@ -389,6 +389,15 @@ def kl_shaped_returns(rewards: torch.Tensor, batches: list, held: list, beta: fl
     return torch.cat(returns)
 
 
+def step_advantages(rewards: torch.Tensor, batches: list, held: list, config: Config):
+    """One advantage per completion [N]; with k1_return, of the returns the pseudo-KL shaped."""
+    returns = rewards
+    if config.loss.kl_estimator == "k1_return" and needs_reference(config):
+        # SAGE: each return minus beta * k1 against p~ = pi_ref * q (Eq. 8)
+        returns = kl_shaped_returns(rewards, batches, held, config.loss.beta)
+    return loss.compute_advantages(returns, config.rollouts, config.loss.advantage)
+
+
 def update_policy(policy, optimizer, batches, held, advantages, config: Config, guide) -> dict:
     """Per micro-batch: the policy's forward pass, the guide's log q from it, the loss and its
     backward (gradients accumulate into the step's); then one clipped AdamW step. ``guide``
@@ -469,11 +478,7 @@ def main(argv: list[str] | None = None) -> dict:
             with timer("reference"):
                 held = [held_fixed_logps(policy, reference, b, config, guide) for _, b in batches]
             # 4. advantages (with k1_return, of the returns the pseudo-KL shaped)
-            returns = rewards
-            if config.loss.kl_estimator == "k1_return" and needs_reference(config):
-                # SAGE: each return minus beta * k1 against p~ = pi_ref * q (Eq. 8)
-                returns = kl_shaped_returns(rewards, batches, held, config.loss.beta)
-            advantages = loss.compute_advantages(returns, config.rollouts, config.loss.advantage)
+            advantages = step_advantages(rewards, batches, held, config)
             # 5-7. per micro-batch: the guide's log q -> loss -> backward; then one AdamW step
             with timer("update"):
                 metrics |= update_policy(

@@ -370,3 +370,140 @@ def test_guide_entropy_reference_takes_q_from_the_reference_pass(tiny):
         policy, reference, batch, dataclasses.replace(config, min_p=0.0), log_q_of
     )
     assert torch.equal(seen[0], reference_entropies) and not torch.equal(seen[0], policy_entropies)
+
+
+# ---- The trainer's wiring: what sage.py feeds the loss, against the loss computed by hand ------
+
+
+def _wiring_config(**changes):
+    """A step whose guide matters: q = 1 + 0.3 H_t varies by token and stays inside the clamp, and
+    beta is large enough that the anchor moves the gradient."""
+    guide = guides.GuideConfig(name="branch", tau=0.0, ratio=0.3, q_max=4.0)
+    settings = dict(
+        model="m",
+        rollouts=4,
+        micro_batch_size=6,
+        max_seq_len=32,
+        max_prompt_len=16,
+        min_p=0.0,
+        steps=10,
+        guide=guide,
+        loss=loss.LossConfig(kl="reverse", kl_estimator="k3", beta=0.5),
+        max_grad_norm=1e9,
+    )
+    return sage.Config(**{**settings, **changes})
+
+
+def _wiring_models(tokenizer):
+    policy = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=2)
+    reference = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=1)
+    return policy, reference.requires_grad_(False)
+
+
+def _sage_step(policy, reference, rollouts, rewards, config, pad_id):
+    """sage.py's own step 3-7 on fixed rollouts: (its gradient, its advantages)."""
+    recorder = GradientRecorder(policy.parameters())
+    batches = sage.micro_batches(rollouts, config, pad_id, "cpu")
+    generator = torch.Generator().manual_seed(0)
+    log_q_of = functools.partial(sage.guide_log_q, config, step=0, generator=generator)
+    held = [sage.held_fixed_logps(policy, reference, b, config, log_q_of) for _, b in batches]
+    advantages = sage.step_advantages(rewards, batches, held, config)
+    sage.update_policy(policy, recorder, batches, held, advantages, config, log_q_of)
+    return recorder.gradient, advantages
+
+
+def _loss_by_hand(policy, reference, rollouts, advantages, config, pad_id, with_guide=True):
+    """The gradient of the step's loss built from loss.py and guides.py directly: per
+    micro-batch, log q from guides.compute_log_q on the policy's own signals, loss.policy_loss,
+    each micro-batch weighted by its rows."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    batches = sage.micro_batches(rollouts, config, pad_id, "cpu")
+    total_rows = sum(len(rows) for rows, _ in batches)
+    step_tokens = float(sum(batch["completion_mask"].sum() for _, batch in batches))
+    for rows, batch in batches:
+        mask = batch["completion_mask"]
+        logps, entropies = loss.completion_logps(policy, batch, temperature=1.0, min_p=0.0)
+        with torch.no_grad():
+            ref_logps, _ = loss.completion_logps(reference, batch, temperature=1.0, min_p=0.0)
+        log_q = None
+        if with_guide:
+            log_q = guides.compute_log_q(
+                config.guide, logps.detach(), entropies, mask, step=0, total_steps=config.steps
+            )
+        fixed = loss.HeldFixed(
+            old_logps=logps.detach(), ref_logps=ref_logps, log_q=log_q, entropies=entropies
+        )
+        value, _ = loss.policy_loss(
+            logps, advantages[rows], mask, fixed, config.loss, step_tokens=step_tokens
+        )
+        (value * len(rows) / total_rows).backward()
+    return torch.cat([p.grad.flatten() for p in params if p.grad is not None])
+
+
+def test_the_update_puts_the_guides_log_q_into_the_anchor(tiny):
+    """sage.update_policy's gradient is that of loss.policy_loss fed the log q that
+    guides.compute_log_q gives on the policy's own forward pass, and not that of the loss with no
+    guide: an update that dropped log q would pass every shape and finiteness check."""
+    _, tokenizer = tiny
+    rollouts, rewards = _rollouts(num_groups=3, group_size=4, seed=7)
+    config = _wiring_config()
+    policy, reference = _wiring_models(tokenizer)
+    gradient, advantages = _sage_step(
+        policy, reference, rollouts, rewards, config, tokenizer.pad_token_id
+    )
+    pad_id = tokenizer.pad_token_id
+    guided = _loss_by_hand(policy, reference, rollouts, advantages, config, pad_id)
+    unguided = _loss_by_hand(
+        policy, reference, rollouts, advantages, config, pad_id, with_guide=False
+    )
+    torch.testing.assert_close(gradient, guided, atol=1e-7, rtol=1e-5)
+    assert (guided - unguided).abs().max() > 1e-3 * guided.abs().max()
+
+
+def test_k1_return_advantages_are_those_of_the_shaped_returns(tiny):
+    """With k1_return each reward is shaped by beta times its completion's k1 against
+    p~ = pi_ref * q before the advantage (Eq. 8); the unshaped rewards give other advantages."""
+    _, tokenizer = tiny
+    rollouts, rewards = _rollouts(num_groups=3, group_size=4, seed=7)
+    estimator = loss.LossConfig(kl="reverse", kl_estimator="k1_return", beta=0.5, advantage="rloo")
+    config = _wiring_config(loss=estimator)
+    policy, reference = _wiring_models(tokenizer)
+    _, advantages = _sage_step(policy, reference, rollouts, rewards, config, tokenizer.pad_token_id)
+    shaped = []
+    for rows, batch in sage.micro_batches(rollouts, config, tokenizer.pad_token_id, "cpu"):
+        mask = batch["completion_mask"]
+        with torch.no_grad():
+            logps, entropies = loss.completion_logps(policy, batch, temperature=1.0, min_p=0.0)
+            ref_logps, _ = loss.completion_logps(reference, batch, temperature=1.0, min_p=0.0)
+        log_q = guides.compute_log_q(
+            config.guide, logps, entropies, mask, step=0, total_steps=config.steps
+        )
+        shaped.append(loss.kl_shaped_rewards(rewards[rows], logps, ref_logps, log_q, mask, 0.5))
+    expected = loss.compute_advantages(torch.cat(shaped), 4, "rloo")
+    torch.testing.assert_close(advantages, expected, atol=1e-6, rtol=1e-5)
+    unshaped = loss.compute_advantages(rewards, 4, "rloo")
+    assert (advantages - unshaped).abs().max() > 1e-3
+
+
+def test_ppo_epochs_average_their_gradients_into_one_step(tiny):
+    """--ppo-epochs E passes E times over the step's rollouts before its one AdamW step, each
+    pass's loss scaled by 1/E: the policy does not move between passes, so the step's gradient is
+    that of one pass."""
+    _, tokenizer = tiny
+    rollouts, rewards = _rollouts(num_groups=3, group_size=4, seed=7)
+    gradients = []
+    for epochs in (1, 2):
+        policy, reference = _wiring_models(tokenizer)
+        gradient, _ = _sage_step(
+            policy,
+            reference,
+            rollouts,
+            rewards,
+            _wiring_config(ppo_epochs=epochs),
+            tokenizer.pad_token_id,
+        )
+        gradients.append(gradient)
+    assert gradients[0].abs().max() > 0
+    torch.testing.assert_close(gradients[1], gradients[0], atol=1e-7, rtol=1e-4)
