@@ -2,7 +2,6 @@
 on a fake GPU, the anchor's reference, and the SFT warm start (extras/sft.py)."""
 
 import dataclasses
-import functools
 import random
 
 import pytest
@@ -236,14 +235,14 @@ def test_micro_batches_accumulate_the_full_batch_gradient(tiny, aggregation, gui
         policy = demo.build_tiny_model(tokenizer, max_position_embeddings=160)
         recorder = GradientRecorder(policy.parameters())
         batches = sage.micro_batches(rollouts, config, tokenizer.pad_token_id, "cpu")
-        log_q_of = functools.partial(
-            sage.guide_log_q, config, step=0, generator=torch.Generator().manual_seed(0)
-        )
+        generator = torch.Generator().manual_seed(0)
         fixed = [
-            sage.held_fixed_logps(policy, reference, batch, config, log_q_of)
+            sage.held_fixed_logps(policy, reference, batch, config, step=0, generator=generator)
             for _, batch in batches
         ]
-        sage.update_policy(policy, recorder, batches, fixed, advantages, config, log_q_of)
+        sage.update_policy(
+            policy, recorder, batches, fixed, advantages, config, step=0, generator=generator
+        )
         gradients.append(recorder.gradient)
     assert gradients[0].abs().max() > 0
     torch.testing.assert_close(gradients[1], gradients[0], atol=1e-6, rtol=1e-4)
@@ -273,7 +272,9 @@ def test_k1_return_shaping_keeps_every_tensor_on_the_log_probs_device():
                     -torch.rand(len(rows), 5, device="cuda"),
                     torch.rand(len(rows), 5, device="cuda") * 2,
                 )
-                log_q = sage.guide_log_q(config, old_logps, entropies, mask, 0, generator)
+                log_q = guides.compute_log_q(
+                    config.guide, old_logps, entropies, mask, 0, config.steps, generator
+                )
                 batches.append((rows, {"completion_mask": mask}))
                 fixed.append(
                     loss.HeldFixed(
@@ -311,11 +312,11 @@ def test_plain_grpo_anchors_to_the_full_softmax_reference(tiny):
     )
     batch["engine_logps"] = torch.zeros_like(batch["completion_mask"])
     config = sage.Config(model="m", temperature=0.8, min_p=0.3)
-    full = sage.held_fixed_logps(model, model, batch, config, None).ref_logps
+    full = sage.held_fixed_logps(model, model, batch, config, step=0, generator=None).ref_logps
     replay = dataclasses.replace(
         config, loss=dataclasses.replace(config.loss, reference_min_p=True)
     )
-    replayed = sage.held_fixed_logps(model, model, batch, replay, None).ref_logps
+    replayed = sage.held_fixed_logps(model, model, batch, replay, step=0, generator=None).ref_logps
     with torch.no_grad():
         positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
         logits = model(
@@ -350,26 +351,20 @@ def test_guide_entropy_reference_takes_q_from_the_reference_pass(tiny):
     prompt, completion = tokenizer("What is 3 + 4?")["input_ids"], tokenizer("3+4=7")["input_ids"]
     batch = batches.collate([prompt, prompt], [completion, completion[:3]], 0, "cpu")
     batch["engine_logps"] = torch.zeros_like(batch["completion_mask"])
-    seen = []
-
-    def log_q_of(logps, entropies, mask):
-        seen.append(entropies)
-        return torch.zeros_like(logps)
-
-    for entropy, expected_calls in (("reference", 1), ("policy", 0)):
-        seen.clear()
-        guide = guides.GuideConfig(name="branch", tau=0.1, entropy=entropy)
+    mask = batch["completion_mask"]
+    held = {}
+    for entropy in ("reference", "policy"):
+        guide = guides.GuideConfig(name="branch", tau=0.1, q_max=4.0, entropy=entropy)
         config = sage.Config(model="m", guide=guide, min_p=0.0)
-        held = sage.held_fixed_logps(policy, reference, batch, config, log_q_of)
-        assert len(seen) == expected_calls and (held.log_q is not None) == (entropy == "reference")
-    _, reference_entropies = loss.completion_logps(reference, batch, 1.0, 0.0)
-    _, policy_entropies = loss.completion_logps(policy, batch, 1.0, 0.0)
-    seen.clear()
-    config = sage.Config(model="m", guide=guides.GuideConfig(name="branch", entropy="reference"))
-    sage.held_fixed_logps(
-        policy, reference, batch, dataclasses.replace(config, min_p=0.0), log_q_of
-    )
-    assert torch.equal(seen[0], reference_entropies) and not torch.equal(seen[0], policy_entropies)
+        held[entropy] = sage.held_fixed_logps(policy, reference, batch, config, 0, generator=None)
+    assert held["policy"].log_q is None  # the update's own forward pass computes it
+    reference_logps, reference_entropies = loss.completion_logps(reference, batch, 1.0, 0.0)
+    policy_logps, policy_entropies = loss.completion_logps(policy, batch, 1.0, 0.0)
+    guide = guides.GuideConfig(name="branch", tau=0.1, q_max=4.0)
+    from_reference = guides.compute_log_q(guide, reference_logps, reference_entropies, mask, 0, 1)
+    from_policy = guides.compute_log_q(guide, policy_logps, policy_entropies, mask, 0, 1)
+    torch.testing.assert_close(held["reference"].log_q, from_reference)
+    assert (held["reference"].log_q - from_policy).abs().max() > 1e-5
 
 
 # ---- The trainer's wiring: what sage.py feeds the loss, against the loss computed by hand ------
@@ -405,10 +400,14 @@ def _sage_step(policy, reference, rollouts, rewards, config, pad_id):
     recorder = GradientRecorder(policy.parameters())
     batches = sage.micro_batches(rollouts, config, pad_id, "cpu")
     generator = torch.Generator().manual_seed(0)
-    log_q_of = functools.partial(sage.guide_log_q, config, step=0, generator=generator)
-    held = [sage.held_fixed_logps(policy, reference, b, config, log_q_of) for _, b in batches]
+    held = [
+        sage.held_fixed_logps(policy, reference, b, config, step=0, generator=generator)
+        for _, b in batches
+    ]
     advantages = sage.step_advantages(rewards, batches, held, config)
-    sage.update_policy(policy, recorder, batches, held, advantages, config, log_q_of)
+    sage.update_policy(
+        policy, recorder, batches, held, advantages, config, step=0, generator=generator
+    )
     return recorder.gradient, advantages
 
 
