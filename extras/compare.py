@@ -40,6 +40,8 @@ import subprocess
 import sys
 import time
 
+from machinery.runs import SUBPROCESS_ENV
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = {
     "grpo": ["--guide", "none"],
@@ -53,19 +55,12 @@ ARMS = {
 }
 BASELINE = "grpo"
 TASK_SEED = 3407  # the held-out split every seed shares (the demo's own)
-ENV = {
-    **os.environ,
-    "GOMP_SPINCOUNT": "100000",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 
 
 def run(command: list[str]) -> None:
     """A stage as a subprocess; its failure ends the study with its last lines."""
     result = subprocess.run(
-        [sys.executable, *command], cwd=REPO, env=ENV, capture_output=True, text=True
+        [sys.executable, *command], cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True
     )
     if result.returncode != 0:
         stage = " ".join(command[:4])
@@ -222,8 +217,11 @@ def plot(summary: dict, baseline: str, out: str) -> None:
                 )
                 axis.fill_between(ks, lows, highs, alpha=0.15, color=color)
     right.axhline(0.0, color="black", linewidth=0.8)
-    for axis, title in ((left, "pass@k, mean over seeds (95% band)"),
-                        (right, f"paired difference from {baseline}")):  # fmt: skip
+    titles = {
+        left: "pass@k, mean over seeds (95% band)",
+        right: f"paired difference from {baseline}",
+    }
+    for axis, title in titles.items():
         axis.set_xscale("log", base=2)
         axis.set_xlabel("k")
         axis.set_title(title, fontsize=10)
@@ -249,8 +247,13 @@ def parse_args(argv: list[str] | None):
     parser.add_argument("--save-every", type=int, default=50, help="checkpoints (for resuming)")
     parser.add_argument("--eval-samples", type=int, default=64, help="samples per held-out problem")
     parser.add_argument("--arms", default=",".join(ARMS), help=f"which of {', '.join(ARMS)}")
-    parser.add_argument("--arm", action="append", default=[], metavar="NAME='FLAGS'",
-                        help="an arm of your own: its name and its sage.py flags")  # fmt: skip
+    parser.add_argument(
+        "--arm",
+        action="append",
+        default=[],
+        metavar="NAME='FLAGS'",
+        help="an arm of your own: its name and its sage.py flags",
+    )
     parser.add_argument("--demo-eval-problems", type=int, default=100, help="held-out problems")
     parser.add_argument("--demo-sft-examples", type=int, default=2400, help="SFT examples")
     args = parser.parse_args(argv)
