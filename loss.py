@@ -342,8 +342,8 @@ def policy_loss(
     per_token = surrogate if importance is None else surrogate * importance  # [B, T]
     anchor_logps = None
     if config.kl != "none" and config.beta != 0.0:
-        # SAGE: the anchor is log p~ = log pi_ref + log q (Eqs. 5, 8); GRPO's is log pi_ref
-        anchor_logps = ref_logps + (log_q if log_q is not None else 0.0)
+        # The anchor is log p~ = log pi_ref + log q (Eqs. 5, 8); GRPO's is log pi_ref.
+        anchor_logps = ref_logps + (log_q if log_q is not None else 0.0)  # SAGE: log q enters
         penalty = anchor_penalty(logps, anchor_logps, config.kl, config.kl_estimator)
         per_token = per_token + config.beta * penalty
     mask = completion_mask.float()

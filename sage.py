@@ -455,8 +455,8 @@ def held_fixed_logps(policy, reference, batch: dict, config: Config, step: int, 
     # else (on-policy, one pass: the paper's step) from the update's own forward pass, at no cost.
     if guide_signals is not None:
         signal_logps, signal_entropies = guide_signals
-        # SAGE: the guide's log q_t (Eqs. 7, 9-12) from the signals held fixed here
-        held.log_q = guides.compute_log_q(
+        # The guide's log q_t (Eqs. 7, 9-12) from the signals held fixed here
+        held.log_q = guides.compute_log_q(  # SAGE: log q, computed before the update
             config.guide,
             signal_logps,
             entropies=signal_entropies,
@@ -515,8 +515,8 @@ def update_policy(
             if fixed.old_logps is None:  # on-policy, one pass: pi_old = pi_theta, q from this pass
                 fixed = dataclasses.replace(fixed, old_logps=logps.detach(), entropies=entropies)
                 if fixed.log_q is None:
-                    # SAGE: the guide's log q_t (Eqs. 7, 9-12) from this forward pass's signals
-                    fixed.log_q = guides.compute_log_q(
+                    # The guide's log q_t (Eqs. 7, 9-12) from this forward pass's signals
+                    fixed.log_q = guides.compute_log_q(  # SAGE: log q, computed here
                         config.guide,
                         fixed.old_logps,
                         entropies=entropies,
