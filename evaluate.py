@@ -30,6 +30,11 @@ import torch
 from tqdm import tqdm
 
 import rollout
+from machinery import cli, flag_checks
+from machinery import results as files
+from machinery.data import DataError, resolve_benchmarks
+from machinery.runs import write_json_atomic
+from machinery.task import build_prompt_ids, default_pool, grade_batch, grading_pool
 
 
 class EvalError(ValueError):
@@ -229,7 +234,6 @@ def generate_and_grade(
     One call, not several: the engine derives each prompt's seed from ``sampling.seed`` and the
     prompt's position in the call, so the same call reproduces the same samples.
     """
-    from machinery.task import default_pool, grade_batch
 
     if len(prompts) != len(problems):
         raise EvalError(f"{len(prompts)} prompts for {len(problems)} problems")
@@ -274,7 +278,6 @@ def evaluate_problems(
     Returns {"num_problems", "ks", "seeds": {seed: {"correct": [c per problem], "pass_at_k":
     {k: value}, "pass_at_k_stderr": {k: se}, ...}}, "pass_at_k": {k: {mean, std, stderr}}}.
     """
-    from machinery.task import build_prompt_ids
 
     ks = ks_up_to(n)
     prompts = [build_prompt_ids(tokenizer, p.problem) for p in problems]
@@ -476,10 +479,6 @@ def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
     """The CLI's work: load benchmarks, skip finished (benchmark, seed) pairs of an existing
     --out, sample and grade the rest (one engine call per seed over all benchmarks), write the
     results file atomically after every seed. Returns the results dict."""
-    from machinery import results as files
-    from machinery.data import resolve_benchmarks
-    from machinery.runs import write_json_atomic
-    from machinery.task import build_prompt_ids, grading_pool
 
     seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
     if args.n < 1 or not seeds:
@@ -640,8 +639,6 @@ def evaluate_and_report(args: EvalArgs) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from machinery import cli, flag_checks
-    from machinery.data import DataError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     errors = (EvalError, DataError, rollout.RolloutError)  # one line each, not a traceback

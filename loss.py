@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from machinery import fast_logprobs
+from machinery.checks import check_loss_config, check_policy_loss_inputs
+from machinery.loss_metrics import loss_metrics
+
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "bnpo")
 KL_MODES = ("reverse", "forward", "none")
 KL_ESTIMATORS = ("k1_return", "k2", "k3", "ratio_k3")
@@ -47,24 +51,23 @@ def token_logps_and_entropies(
     return log_probs.gather(-1, token_ids[..., None]).squeeze(-1), entropies.detach()
 
 
-def completion_logps(model, batch: dict, temperature: float, min_p: float):
+def completion_logps(model, batch: dict, temperature: float, min_p: float, fast: bool = True):
     """``token_logps_and_entropies`` of a batch's completions under ``model``, [B, C] (the batch:
     machinery/batches.py's ``collate``, left-padded prompts and right-padded completions).
 
-    Only the C positions that predict completions are projected to the vocabulary; the chunked
-    kernel of machinery/fast_logprobs.py then computes the same numbers with no [B, C, V] float32
-    tensor. A prompt shared by a group runs once (not under gradient checkpointing: no cache).
+    Two paths give the same numbers and gradients (tests/test_loss.py holds them equal), as
+    nanoGPT keeps its flash and its manual attention. A run takes the fast one unless
+    --no-fast-logprobs: machinery/fast_logprobs.py's chunked kernel, with no [B, C, V] float32
+    tensor, which also runs a prompt shared by a group once when there is no gradient
+    checkpointing. The other is the definition above, on the logits of the C positions that
+    predict completions.
     """
-    from machinery.fast_logprobs import chunked_token_logps_and_entropies, shared_prompt_logps
-
-    if batch.get("group_size", 1) > 1 and not getattr(model, "is_gradient_checkpointing", False):
-        return shared_prompt_logps(model, batch, temperature, min_p)
-    completion_ids, input_len = batch["completion_ids"], batch["input_ids"].shape[1]
-    first = input_len - completion_ids.shape[1] - 1  # the position that predicts token 0: P - 1
-    predicting = torch.arange(first, input_len - 1, device=completion_ids.device)  # [C]
-    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
-    logits = model(**inputs, logits_to_keep=predicting, use_cache=False).logits  # [B, C, V]
-    return chunked_token_logps_and_entropies(logits, completion_ids, temperature, min_p)
+    if fast:
+        return fast_logprobs.completion_logps(model, batch, temperature=temperature, min_p=min_p)
+    logits = fast_logprobs.completion_logits(model, batch)  # [B, C, V]
+    return token_logps_and_entropies(
+        logits, batch["completion_ids"], temperature=temperature, min_p=min_p
+    )
 
 
 # ---- 2. Advantages (one scalar per completion, shared by its tokens) ---------------------------
@@ -173,11 +176,11 @@ def kl_shaped_rewards(rewards, logps, ref_logps, log_q, completion_mask, beta: f
 
 
 def clipped_surrogate(logps, old_logps, advantages, eps_low: float, eps_high: float):
-    """PPO's L_t = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A), [B, T], and rho_t."""
+    """PPO's L_t = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A), [B, T]."""
     ratio = torch.exp(logps - old_logps)
     advantages = advantages[:, None]
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    return -torch.minimum(ratio * advantages, clipped * advantages), ratio
+    return -torch.minimum(ratio * advantages, clipped * advantages)
 
 
 def anchor_penalty(logps, anchor_logps, kl: str = "reverse", estimator: str = "k3"):
@@ -286,8 +289,6 @@ class LossConfig:
     """dr_grpo's constant divisor, the sampler's max_tokens; set by the trainer, not a flag."""
 
     def __post_init__(self):
-        from machinery.checks import check_loss_config
-
         check_loss_config(self, ADVANTAGES, AGGREGATIONS, KL_MODES, KL_ESTIMATORS)
 
 
@@ -295,7 +296,9 @@ class LossConfig:
 class HeldFixed:
     """The per-token tensors held fixed during an update (Eq. 3), each [B, T]."""
 
-    old_logps: torch.Tensor  # log pi_old, the policy that sampled
+    old_logps: torch.Tensor | None = (
+        None  # log pi_old, the policy that sampled (None: the update's)
+    )
     ref_logps: torch.Tensor | None = None  # log pi_ref; needed unless beta = 0 or kl = none
     log_q: torch.Tensor | None = None  # SAGE: the guide's log q (guides.py); None: q = 1, GRPO
     entropies: torch.Tensor | None = None  # only logged
@@ -303,8 +306,15 @@ class HeldFixed:
     importance_weights: torch.Tensor | None = None  # or weights made elsewhere (TRL's vLLM IS)
 
 
-def policy_loss(logps, advantages, completion_mask, fixed: HeldFixed, config: LossConfig,
-                step_tokens=None, q_constant_per_position: bool = False):  # fmt: skip
+def policy_loss(
+    logps,
+    advantages,
+    completion_mask,
+    fixed: HeldFixed,
+    config: LossConfig,
+    step_tokens=None,
+    q_constant_per_position: bool = False,
+):
     """SAGE's loss: clipped surrogate + beta * penalty against p~ = pi_ref * q, aggregated.
 
     logps [B, T] is log pi_theta(y_t), the only input with a gradient; advantages [B] come from
@@ -312,8 +322,6 @@ def policy_loss(logps, advantages, completion_mask, fixed: HeldFixed, config: Lo
     the completion tokens of the optimizer step (dapo); q_constant_per_position: the guide gives
     each token at a position the same q (branch, random). Returns (loss, metrics as floats).
     """
-    from machinery.checks import check_policy_loss_inputs
-
     check_policy_loss_inputs(logps, advantages, completion_mask, fixed, config)
     importance = fixed.importance_weights
     if config.tis_cap > 0:  # truncated importance sampling: min(pi_old / pi_engine, C)
@@ -328,19 +336,19 @@ def policy_loss(logps, advantages, completion_mask, fixed: HeldFixed, config: Lo
         for x in (fixed.old_logps, fixed.ref_logps, fixed.log_q, fixed.entropies, importance)
     )
     advantages = advantages.to(torch.promote_types(logps.dtype, torch.float32))  # float64 kept
-    surrogate, _ = clipped_surrogate(logps, old_logps, advantages, config.eps_low, config.eps_high)
+    surrogate = clipped_surrogate(
+        logps, old_logps, advantages, eps_low=config.eps_low, eps_high=config.eps_high
+    )
     per_token = surrogate if importance is None else surrogate * importance  # [B, T]
     anchor_logps = None
     if config.kl != "none" and config.beta != 0.0:
-        # SAGE: the anchor is log p~ = log pi_ref + log q (Eqs. 5, 8); GRPO's is log pi_ref
-        anchor_logps = ref_logps + (log_q if log_q is not None else 0.0)
+        # The anchor is log p~ = log pi_ref + log q (Eqs. 5, 8); GRPO's is log pi_ref.
+        anchor_logps = ref_logps + (log_q if log_q is not None else 0.0)  # SAGE: log q enters
         penalty = anchor_penalty(logps, anchor_logps, config.kl, config.kl_estimator)
         per_token = per_token + config.beta * penalty
     mask = completion_mask.float()
     loss = aggregate(per_token, mask, config.aggregation, config.max_completion_length, step_tokens)
-    from machinery.loss_metrics import loss_metrics
-
-    held = HeldFixed(old_logps, ref_logps, log_q, entropies)
+    held = HeldFixed(old_logps=old_logps, ref_logps=ref_logps, log_q=log_q, entropies=entropies)
     metrics = loss_metrics(
         logps.detach(), advantages, mask, held, anchor_logps, config, q_constant_per_position
     )

@@ -23,6 +23,16 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
+from machinery import engine_checks, vllm_cpu
+from machinery.engine_checks import (
+    CheckError,
+    check_prompts,
+    check_sampling,
+    engine_error_message,
+    push_error_message,
+)
+from machinery.weight_push import engine_weights
+
 # vLLM is imported where an engine starts: the hf backend runs where vLLM is not installed.
 
 BACKENDS = ("vllm", "hf")
@@ -39,8 +49,6 @@ class RolloutError(ValueError):
 @contextlib.contextmanager
 def rollout_errors():
     """Raise the input checks' one-line errors (machinery.engine_checks) as ``RolloutError``."""
-    from machinery.engine_checks import CheckError
-
     try:
         yield
     except CheckError as error:
@@ -69,8 +77,6 @@ class SamplingConfig:
     """Same seed, same samples (per backend); None draws from the engine's RNG."""
 
     def __post_init__(self):
-        from machinery.engine_checks import check_sampling
-
         with rollout_errors():
             check_sampling(self)
 
@@ -147,8 +153,6 @@ class VLLMEngine:
         enforce_eager: bool | None = None,
         **llm_kwargs,
     ):
-        from machinery import engine_checks
-
         engine_checks.quiet_vllm()  # its warnings only (VLLM_LOGGING_LEVEL=INFO for the rest)
         self.model_path = path = os.fspath(model_path)
         with rollout_errors():
@@ -172,12 +176,14 @@ class VLLMEngine:
         if on_cuda:
             with rollout_errors():  # the trainer's engine holds a whole step: refused if it can't
                 fraction = engine_checks.engine_share(
-                    config, self.max_model_len, llm_kwargs, gpu_memory_utilization,
-                    CUDA_DEFAULT_MEMORY_FRACTION)  # fmt: skip
+                    config,
+                    max_model_len=self.max_model_len,
+                    llm_kwargs=llm_kwargs,
+                    requested=gpu_memory_utilization,
+                    default=CUDA_DEFAULT_MEMORY_FRACTION,
+                )
             kwargs.update(gpu_memory_utilization=fraction, enable_sleep_mode=self.sleep_mode)
         else:  # vLLM's CPU backend needs arguments and fixes of its own (docs/vllm-cpu.md)
-            from machinery import vllm_cpu
-
             with rollout_errors():  # a head size without kernels, or too little RAM
                 cpu = vllm_cpu.engine_kwargs(
                     config, gpu_memory_utilization, self.max_model_len, dtype, llm_kwargs
@@ -191,8 +197,6 @@ class VLLMEngine:
 
     def _start(self, kwargs: dict, starting):
         """``vllm.LLM(**kwargs)`` inside ``starting``, its known failures as one-line errors."""
-        from machinery.engine_checks import engine_error_message
-
         try:
             import vllm
         except ImportError as error:
@@ -235,8 +239,6 @@ class VLLMEngine:
         self, prompts: list[list[int]], sampling: SamplingConfig
     ) -> list[list[Completion]]:
         """[num_prompts][n] completions of the given token-id prompts, all in one vLLM call."""
-        from machinery.engine_checks import check_prompts
-
         with rollout_errors():
             prompts = check_prompts(prompts, self.max_model_len, self.vocab_size)
         if self._weights_discarded:
@@ -275,19 +277,13 @@ class VLLMEngine:
         TRL's order: wake the weights, push, reset the prefix cache (cached KV blocks were computed
         with the old weights). The KV cache wakes at the next ``generate``.
         """
-        from machinery.weight_push import engine_weights
-
         self.wake_up(["weights"])
         with engine_weights(model) as weights:
             try:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             except (KeyError, AttributeError, ValueError, RuntimeError) as error:
-                from machinery.engine_checks import push_error_message
-
                 raise RolloutError(push_error_message(error, self.model_path)) from error
         if not self.on_cuda:
-            from machinery import vllm_cpu
-
             vllm_cpu.after_weight_push(self.llm)
         self.llm.reset_prefix_cache()
         self._weights_discarded = False

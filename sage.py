@@ -9,13 +9,14 @@ micro-batch, the guide's log q (guides.py, Eqs. 9-12) and the loss, a clipped su
 beta times the pseudo-KL against p~ = pi_ref * q (Eqs. 3-8) -> AdamW -> weight push -> log ->
 checkpoint. ``grep -n "# SAGE:" *.py`` lists every place where SAGE departs from GRPO. Left out,
 each behind its flag (extras/): the SFT warm start (App. E.2), DAPO's dynamic sampling,
-self-hints; machinery (machinery/) is imported where it is used. Deviations: docs/deviations.md.
+self-hints. What every step runs on is imported from machinery/ below: ``collate`` (the padded
+batch), ``models.reference_mode`` (pi_ref), the weight push and the reward. Deviations:
+docs/deviations.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import random
@@ -24,13 +25,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 import guides
 import loss
 import rollout
 from evaluate import EvalConfig
+from machinery import cli, flag_checks, models, runs, trackers
+from machinery.batches import collate
+from machinery.data import PromptSampler, load_rows, training_problems
+from machinery.task import build_prompt_ids, load_reward_function
 
-# ---- 1. Configuration: one typed dataclass, a docstring per field, parsed once -----------------
+# ---- Configuration: one typed dataclass, a docstring per field, parsed once --------------------
 
 # --algo presets are plain flags placed before the user's, so the user's win. BNPO is the
 # Beta-normalized advantage; DAPO is clip-higher, the global token mean and dynamic sampling.
@@ -81,7 +87,8 @@ class Config:
     micro_batch_size: int = 4
     """Sequences per forward/backward, accumulated over the step (4 fits a 7B on 80 GB)."""
     ppo_epochs: int = 1
-    """Passes over each step's rollouts (1: on-policy, the ratio is 1 at the first pass)."""
+    """Passes over each step's rollouts before its one AdamW step, each pass's loss scaled by
+    1/E (1: on-policy, the ratio is 1)."""
     loss: loss.LossConfig = field(default_factory=loss.LossConfig)
     """The loss's knobs (loss.py): advantage, aggregation, clip range, KL, beta."""
     guide: guides.GuideConfig = field(default_factory=guides.GuideConfig)
@@ -103,6 +110,9 @@ class Config:
     """Train all weights, not LoRA (the reference is then a frozen copy; float32 on CUDA)."""
     gradient_checkpointing: bool = True
     """Recompute activations in the backward (a 7B keeps ~6 MB per token without it)."""
+    fast_logprobs: bool = True
+    """Log-probs and entropies through machinery/fast_logprobs.py (the same numbers, no [B, C, V]
+    float32 tensor); --no-fast-logprobs runs loss.token_logps_and_entropies, the definition."""
     # ---- sampling (section 5.1) ----
     max_seq_len: int = 2048
     """Prompt + completion tokens (paper: 2,048; R1-distill: 8,192)."""
@@ -157,24 +167,26 @@ EPILOG = (
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """The command line -> Config: the --algo preset's flags, then the user's (which win)."""
-    from machinery import cli, flag_checks
-
     argv = cli.expand_preset(sys.argv[1:] if argv is None else list(argv), PRESETS)
     extras = {name: cli.import_object(path) for name, path in EXTRAS.items()}
-    title = __doc__.split("\n")[0]
-    config, sections, parser = cli.parse_config(Config, argv, "sage.py", title, EPILOG, extras)
+    config, sections, parser = cli.parse_config(
+        Config,
+        argv,
+        prog="sage.py",
+        description=__doc__.split("\n")[0],
+        epilog=EPILOG,
+        sections=extras,
+    )
     config.extras = sections
     flag_checks.check_config(config, PRESETS, parser.error)
     return config
 
 
-# ---- 2. Setting up: the run directory, the problems, the policy and its reference, the engine --
+# ---- Setting up: the run directory, the problems, the policy and its reference, the engine -----
 
 
 def start_run(config: Config) -> str:
     """Create <out>/<name> (a checkpoint there needs --resume), seed, save the config."""
-    from machinery import flag_checks, runs
-
     model = os.path.basename(config.model.rstrip("/"))
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
     flag_checks.check_run_dir(run_dir, config)
@@ -192,13 +204,14 @@ def needs_reference(config: Config) -> bool:
 
 def load_problems(config: Config, tokenizer) -> list[dict]:
     """The training problems {problem, answer, prompt_ids} whose prompt fits --max-prompt-len."""
-    from machinery.data import load_rows, training_problems
-    from machinery.task import build_prompt_ids
-
-    rows = load_rows(config.dataset, config.dataset_config)
-    fields = (config.problem_key, config.answer_key)
-    limit, solution_key = config.max_train_samples, config.extras["hints"].solution_key
-    problems = training_problems(rows, *fields, limit, config.dataset, solution_key)
+    problems = training_problems(
+        load_rows(config.dataset, config.dataset_config),
+        problem_key=config.problem_key,
+        answer_key=config.answer_key,
+        limit=config.max_train_samples,
+        where=config.dataset,
+        solution_key=config.extras["hints"].solution_key,
+    )
     for problem in problems:
         problem["prompt_ids"] = build_prompt_ids(tokenizer, problem["problem"])
     fitting = [p for p in problems if len(p["prompt_ids"]) <= config.max_prompt_len]
@@ -211,33 +224,55 @@ def load_policy(config: Config, base_path: str):
     """(policy, frozen reference or None, optimizer, scheduler, tokenizer): LoRA adapters on the
     base, whose reference is the base with the adapters off (no copy; a frozen copy only with
     --full-finetune); AdamW with linear warmup and decay (Table 8)."""
-    from machinery import models
-
-    full, checkpointing = config.full_finetune, config.gradient_checkpointing
-    model, tokenizer = models.load_base_model(base_path, checkpointing, None, full)
-    lora = (config.lora_rank, config.lora_alpha)
-    policy, reference = models.make_policy(model, full, *lora, needs_reference(config))
-    schedule = (config.steps, int(config.warmup_ratio * config.steps))  # total, warmup
-    optimizer, scheduler = models.make_optimizer(policy, config.lr, config.weight_decay, *schedule)
+    model, tokenizer = models.load_base_model(
+        base_path,
+        gradient_checkpointing=config.gradient_checkpointing,
+        full_finetune=config.full_finetune,
+    )
+    policy, reference = models.make_policy(
+        model,
+        full_finetune=config.full_finetune,
+        lora_rank=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        with_reference=needs_reference(config),
+    )
+    optimizer, scheduler = models.make_optimizer(
+        policy,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        total_steps=config.steps,
+        warmup_steps=int(config.warmup_ratio * config.steps),
+    )
     return policy, reference, optimizer, scheduler, tokenizer
 
 
 def start_engine(config: Config, base_path: str, policy):
     """The rollout engine on the base model, in the trainer's dtype, with the policy's weights."""
     dtype = "bfloat16" if next(policy.parameters()).dtype == torch.bfloat16 else "float32"
-    shape = (config.prompts_per_step, config.rollouts, config.max_prompt_len, config.max_seq_len)
-    limits = rollout.engine_limits(*shape) if config.backend == "vllm" else {}  # one step's batch
-    memory = config.gpu_memory_utilization or None  # (0: the engine's default share)
-    engine = rollout.make_engine(  # (the HF backend samples from the policy itself)
-        base_path, config.backend, max_model_len=config.max_seq_len, seed=config.seed, dtype=dtype,
-        gpu_memory_utilization=memory, model=policy if config.backend == "hf" else None, **limits,
-    )  # fmt: skip
+    limits = {}
+    if config.backend == "vllm":  # sized to one step's batch
+        limits = rollout.engine_limits(
+            prompts_per_call=config.prompts_per_step,
+            n=config.rollouts,
+            max_prompt_len=config.max_prompt_len,
+            max_model_len=config.max_seq_len,
+        )
+    engine = rollout.make_engine(
+        base_path,
+        config.backend,
+        max_model_len=config.max_seq_len,
+        seed=config.seed,
+        dtype=dtype,
+        gpu_memory_utilization=config.gpu_memory_utilization or None,  # 0: the engine's default
+        model=policy if config.backend == "hf" else None,  # the HF backend samples from the policy
+        **limits,
+    )
     if config.resume:  # a fresh policy equals the base the engine loaded (LoRA starts at B = 0)
         engine.sync_weights(policy)
     return engine
 
 
-# ---- 3. Rollouts and rewards -------------------------------------------------------------------
+# ---- Rollouts and rewards ----------------------------------------------------------------------
 
 
 @dataclass
@@ -252,20 +287,40 @@ class Rollouts:
     problems: list[str]
     answers: list[str]
 
+    def select(self, rows: list[int]) -> Rollouts:
+        """These rows, in this order (DAPO's refill and self-hints keep or swap groups)."""
+        columns = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return Rollouts(**{name: [column[r] for r in rows] for name, column in columns.items()})
+
+    def concat(self, others: list[Rollouts]) -> Rollouts:
+        """These rows, then those of ``others``."""
+        names = [f.name for f in dataclasses.fields(self)]
+        parts = [self, *others]
+        return Rollouts(**{name: [x for p in parts for x in getattr(p, name)] for name in names})
+
 
 def generate_rollouts(engine, problems: list[dict], config: Config, seed: int) -> Rollouts:
     """G completions per problem from the engine, one call, seeded."""
-    max_tokens = config.max_seq_len - config.max_prompt_len  # the completion budget
-    knobs = (config.temperature, config.top_p, config.top_k, config.min_p)
-    sampling = rollout.SamplingConfig(config.rollouts, *knobs, max_tokens, seed)
+    sampling = rollout.SamplingConfig(
+        n=config.rollouts,
+        temperature=config.temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        min_p=config.min_p,
+        max_tokens=config.max_seq_len - config.max_prompt_len,  # the completion budget
+        seed=seed,
+    )
     groups = engine.generate([problem["prompt_ids"] for problem in problems], sampling)
     pairs = [(p, c) for p, group in zip(problems, groups) for c in group]  # prompt-major
     return Rollouts(
-        [p["prompt_ids"] for p, _ in pairs], [list(c.token_ids) for _, c in pairs],
-        [c.text for _, c in pairs], [c.finish_reason for _, c in pairs],
-        [list(c.logprobs) for _, c in pairs], [p["problem"] for p, _ in pairs],
-        [p["answer"] for p, _ in pairs],
-    )  # fmt: skip
+        prompt_ids=[p["prompt_ids"] for p, _ in pairs],
+        completion_ids=[list(c.token_ids) for _, c in pairs],
+        texts=[c.text for _, c in pairs],
+        finish_reasons=[c.finish_reason for _, c in pairs],
+        engine_logps=[list(c.logprobs) for _, c in pairs],
+        problems=[p["problem"] for p, _ in pairs],
+        answers=[p["answer"] for p, _ in pairs],
+    )
 
 
 def compute_rewards(rollouts: Rollouts, reward_function, config: Config) -> torch.Tensor:
@@ -289,91 +344,128 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (groups.max(dim=1).values - groups.min(dim=1).values) > 0
 
 
-def collect_rollouts(engine, sampler, problems, config: Config, step: int, reward_function, timer):
+def collect_rollouts(
+    engine, prompt_sampler, problems, config: Config, step: int, reward_function, timer
+):
     """Prompts -> G rollouts each -> rewards, and the extras that act here (self-hints, DAPO's
     dynamic sampling). Returns (rollouts, rewards [N], metrics of the sampling)."""
 
     def sample(chosen: list[dict], seed: int) -> tuple[Rollouts, torch.Tensor]:
-        with timer("rollout"):
-            rollouts = generate_rollouts(engine, chosen, config, seed)
-        with timer("reward"):
-            return rollouts, compute_rewards(rollouts, reward_function, config)
+        rollouts = generate_rollouts(engine, chosen, config=config, seed=seed)
+        return rollouts, compute_rewards(rollouts, reward_function, config=config)
 
-    chosen = [problems[i] for i in sampler.take(config.prompts_per_step)]
-    rollouts, rewards = sample(chosen, rollout.rollout_seed(config.seed, step))
+    def timed_sample(chosen: list[dict], seed: int) -> tuple[Rollouts, torch.Tensor]:
+        with timer("rollout"):
+            rollouts = generate_rollouts(engine, chosen, config=config, seed=seed)
+        with timer("reward"):
+            return rollouts, compute_rewards(rollouts, reward_function, config=config)
+
+    chosen = [problems[i] for i in prompt_sampler.take(config.prompts_per_step)]
+    rollouts, rewards = timed_sample(chosen, rollout.rollout_seed(config.seed, step))
     metrics = {}
     if config.extras["hints"].self_hints:  # extras/hints.py
         from extras import hints
 
         with timer("hints"):
-            hinted = hints.self_hint(
-                engine, rollouts, rewards, chosen, config, step, reward_function
+            rollouts, rewards, metrics = hints.self_hint(
+                engine,
+                rollouts,
+                rewards=rewards,
+                chosen=chosen,
+                config=config,
+                step=step,
+                sample=sample,
             )
-        rollouts, rewards, metrics = hinted
-    counts = (config.prompts_per_step, int((~informative_groups(rewards, config.rollouts)).sum()))
+    sampled = config.prompts_per_step
+    without_signal = int((~informative_groups(rewards, config.rollouts)).sum())
     if config.extras["dynamic_sampling"].dynamic_sampling:  # extras/dynamic_sampling.py
         from extras import dynamic_sampling
 
-        first = (rollouts, rewards, counts)
-        rollouts, rewards, counts = dynamic_sampling.refill(
-            sampler, problems, first, config, step, sample
+        rollouts, rewards, (sampled, without_signal) = dynamic_sampling.refill(
+            prompt_sampler,
+            problems,
+            first=(rollouts, rewards, (sampled, without_signal)),
+            config=config,
+            step=step,
+            sample=timed_sample,
+            informative=informative_groups,
         )
-    metrics["frac_zero_signal_groups"] = counts[1] / max(1, counts[0])
+    metrics["frac_zero_signal_groups"] = without_signal / max(1, sampled)
     return rollouts, rewards, metrics
 
 
-# ---- 4. The update: held-fixed log-probs, advantages, the guide, the loss ----------------------
+# ---- The update: held-fixed log-probs, the guide's log q, advantages, the loss -----------------
 
 
 def micro_batches(rollouts: Rollouts, config: Config, pad_id: int, device) -> list:
     """[(rows, batch)] per micro-batch: the batch as ``collate`` makes it [B, P + C], plus the
     engine's log-probs [B, C]."""
-    from machinery.batches import collate
-
     total, size = len(rollouts.completion_ids), config.micro_batch_size
     result = []
-    for rows in (list(range(start, min(start + size, total))) for start in range(0, total, size)):
-        prompts = [rollouts.prompt_ids[i] for i in rows]
-        completions = [rollouts.completion_ids[i] for i in rows]
-        batch = collate(prompts, completions, pad_id, device, group_size=config.rollouts)
+    for start in range(0, total, size):
+        rows = list(range(start, min(start + size, total)))
+        batch = collate(
+            [rollouts.prompt_ids[i] for i in rows],
+            [rollouts.completion_ids[i] for i in rows],
+            pad_id=pad_id,
+            device=device,
+            group_size=config.rollouts,
+        )
         width = batch["completion_mask"].shape[1]
         engine_logps = [rollouts.engine_logps[i] for i in rows]
-        batch["engine_logps"] = rollout.pad_rows(engine_logps, width, device)
+        batch["engine_logps"] = rollout.pad_rows(engine_logps, length=width, device=device)
         result.append((rows, batch))
     return result
 
 
-def guide_log_q(config: Config, old_logps, entropies, completion_mask, step: int, generator):
-    """The guide's log q_t [B, C] from the policy's own signals, fixed in the update (Eqs. 9-12)."""
-    # SAGE: log q, the one new per-token quantity; the guide adds no forward pass
-    return guides.compute_log_q(
-        config.guide, old_logps, entropies, completion_mask, step, config.steps, generator
+def sampled_logps(model, batch: dict, config: Config, min_p: float | None = None):
+    """log pi(y_t) and H_t [B, C] of ``model`` with the sampler's temperature and min-p replayed."""
+    return loss.completion_logps(
+        model,
+        batch,
+        temperature=config.temperature,
+        min_p=config.min_p if min_p is None else min_p,
+        fast=config.fast_logprobs,
     )
 
 
 @torch.no_grad()
-def held_fixed_logps(policy, reference, batch: dict, config: Config, guide) -> loss.HeldFixed:
-    """The per-token log-probs that stay fixed during the update, each [B, C]: the reference's
-    (when the anchor is on) and, when the update needs them before its own forward pass
-    (--ppo-epochs > 1, or k1_return), pi_old's log-probs and entropies and the guide's log q."""
-    from machinery.models import reference_mode
-
-    ref_logps = ref_entropies = old_logps = entropies = log_q = None
-    temperature, min_p = config.temperature, config.min_p
+def held_fixed_logps(policy, reference, batch: dict, config: Config, step: int, generator):
+    """The per-token tensors that stay fixed during the update (Eq. 3), each [B, C], as a
+    ``loss.HeldFixed``: the reference's log-probs (when the anchor is on); pi_old's log-probs and
+    entropies when the update needs them before its own forward pass (--ppo-epochs > 1: pi_old
+    must not move between passes; k1_return: the returns need them); and the guide's log q when
+    its signals are here."""
+    held = loss.HeldFixed(engine_logps=batch["engine_logps"])
+    guide_signals = None  # (log-probs, entropies) that the guide reads, if this pass has them
     if needs_reference(config):
-        with reference_mode(policy, reference) as reference_policy:
+        with models.reference_mode(policy, reference) as reference_policy:
             # The reference's full softmax is the anchor (the authors' too); replaying min-p there
             # would act as an implicit guide q = 1 / M_ref (docs/min-p.md).
-            ref_min_p = min_p if config.loss.reference_min_p else 0.0
-            reference_logps = loss.completion_logps(reference_policy, batch, temperature, ref_min_p)
-            ref_logps, ref_entropies = reference_logps
+            ref_min_p = config.min_p if config.loss.reference_min_p else 0.0
+            held.ref_logps, ref_entropies = sampled_logps(
+                reference_policy, batch, config=config, min_p=ref_min_p
+            )
+        if config.guide.entropy == "reference":  # --guide-entropy reference: pi_ref's signals
+            guide_signals = (held.ref_logps, ref_entropies)
     if config.ppo_epochs > 1 or config.loss.kl_estimator == "k1_return":
-        old_logps, entropies = loss.completion_logps(policy, batch, temperature, min_p)
-    from_reference = config.guide.entropy == "reference"  # --guide-entropy
-    signals = (ref_logps, ref_entropies) if from_reference else (old_logps, entropies)
-    if signals[0] is not None:
-        log_q = guide(*signals, batch["completion_mask"])
-    return loss.HeldFixed(old_logps, ref_logps, log_q, entropies, batch["engine_logps"])
+        held.old_logps, held.entropies = sampled_logps(policy, batch, config=config)
+        guide_signals = guide_signals or (held.old_logps, held.entropies)
+    # Where log q is computed is decided here: from this pass when it has the guide's signals,
+    # else (on-policy, one pass: the paper's step) from the update's own forward pass, at no cost.
+    if guide_signals is not None:
+        signal_logps, signal_entropies = guide_signals
+        # The guide's log q_t (Eqs. 7, 9-12) from the signals held fixed here
+        held.log_q = guides.compute_log_q(  # SAGE: log q, computed before the update
+            config.guide,
+            signal_logps,
+            entropies=signal_entropies,
+            completion_mask=batch["completion_mask"],
+            step=step,
+            total_steps=config.steps,
+            generator=generator,
+        )
+    return held
 
 
 def kl_shaped_returns(rewards: torch.Tensor, batches: list, held: list, beta: float):
@@ -384,43 +476,75 @@ def kl_shaped_returns(rewards: torch.Tensor, batches: list, held: list, beta: fl
     """
     returns = []
     for (rows, batch), fixed in zip(batches, held):
-        terms = (fixed.old_logps, fixed.ref_logps, fixed.log_q, batch["completion_mask"])
-        returns.append(loss.kl_shaped_rewards(rewards[rows], *terms, beta).cpu())
+        shaped = loss.kl_shaped_rewards(
+            rewards[rows],
+            fixed.old_logps,
+            ref_logps=fixed.ref_logps,
+            log_q=fixed.log_q,
+            completion_mask=batch["completion_mask"],
+            beta=beta,
+        )
+        returns.append(shaped.cpu())
     return torch.cat(returns)
 
 
-def update_policy(policy, optimizer, batches, held, advantages, config: Config, guide) -> dict:
-    """Per micro-batch: the policy's forward pass, the guide's log q from it, the loss and its
-    backward (gradients accumulate into the step's); then one clipped AdamW step. ``guide``
-    (``guide_log_q`` bound to this step) maps (old_logps, entropies, mask) to log q."""
-    from machinery.runs import StepMetrics
+def step_advantages(rewards: torch.Tensor, batches: list, held: list, config: Config):
+    """One advantage per completion [N]; with k1_return, of the returns the pseudo-KL shaped."""
+    returns = rewards
+    if config.loss.kl_estimator == "k1_return" and needs_reference(config):
+        # SAGE: each return minus beta * k1 against p~ = pi_ref * q (Eq. 8)
+        returns = kl_shaped_returns(rewards, batches, held=held, beta=config.loss.beta)
+    return loss.compute_advantages(returns, config.rollouts, kind=config.loss.advantage)
 
+
+def update_policy(
+    policy, optimizer, batches, held, advantages, config: Config, step: int, generator
+) -> dict:
+    """Per micro-batch: the policy's forward pass, the guide's log q from it (unless the held
+    pass gave it), the loss and its backward (gradients accumulate into the step's); then one
+    clipped AdamW step. Each of the --ppo-epochs passes adds 1/E of its gradient."""
     policy.train()
-    metrics, device = StepMetrics(), next(policy.parameters()).device
+    metrics, device = runs.StepMetrics(), next(policy.parameters()).device
     total_rows = sum(len(rows) for rows, _ in batches)
     step_tokens = float(sum(batch["completion_mask"].sum().item() for _, batch in batches))
     constant_q = config.guide.name in ("branch", "random")  # q is one number per position
-    sampler = (config.temperature, config.min_p)
     for _ in range(config.ppo_epochs):
         for (rows, batch), fixed in zip(batches, held):
             mask = batch["completion_mask"]
-            logps, entropies = loss.completion_logps(policy, batch, *sampler)  # [B, C] each
+            logps, entropies = sampled_logps(policy, batch, config=config)  # [B, C] each
             if fixed.old_logps is None:  # on-policy, one pass: pi_old = pi_theta, q from this pass
-                old_logps, log_q = logps.detach(), fixed.log_q
-                log_q = guide(old_logps, entropies, mask) if log_q is None else log_q
-                fixed = dataclasses.replace(fixed, old_logps=old_logps, entropies=entropies)
-                fixed.log_q = log_q
-            advantage = advantages[rows].to(device)
+                fixed = dataclasses.replace(fixed, old_logps=logps.detach(), entropies=entropies)
+                if fixed.log_q is None:
+                    # The guide's log q_t (Eqs. 7, 9-12) from this forward pass's signals
+                    fixed.log_q = guides.compute_log_q(  # SAGE: log q, computed here
+                        config.guide,
+                        fixed.old_logps,
+                        entropies=entropies,
+                        completion_mask=mask,
+                        step=step,
+                        total_steps=config.steps,
+                        generator=generator,
+                    )
             micro_loss, micro_metrics = loss.policy_loss(
-                logps, advantage, mask, fixed, config.loss, step_tokens, constant_q
+                logps,
+                advantages[rows].to(device),
+                completion_mask=mask,
+                fixed=fixed,
+                config=config.loss,
+                step_tokens=step_tokens,
+                q_constant_per_position=constant_q,
             )
             if not torch.isfinite(micro_loss):
                 raise FloatingPointError(f"the loss is {micro_loss.item()}: lower --lr or --beta")
-            rows_weight = (config.loss.aggregation, len(rows), total_rows, len(batches))
-            weight = loss.micro_batch_weight(*rows_weight)
+            weight = loss.micro_batch_weight(
+                config.loss.aggregation,
+                micro_rows=len(rows),
+                total_rows=total_rows,
+                num_micro_batches=len(batches),
+            )
             (micro_loss * (weight / config.ppo_epochs)).backward()
-            gap = rollout.engine_gap(fixed.old_logps, fixed.engine_logps, mask)
-            metrics.add({**micro_metrics, **gap}, len(rows))
+            gap = rollout.engine_gap(fixed.old_logps, fixed.engine_logps, mask=mask)
+            metrics.add({**micro_metrics, **gap}, rows=len(rows))
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm).item()
     if not math.isfinite(grad_norm):
         raise FloatingPointError(f"the gradient norm is {grad_norm}: lower --lr or --beta")
@@ -429,14 +553,10 @@ def update_policy(policy, optimizer, batches, held, advantages, config: Config, 
     return {**metrics.result(), "grad_norm": grad_norm}
 
 
-# ---- 5. main(): the run, stage by stage --------------------------------------------------------
+# ---- main(): the run, stage by stage -----------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from machinery import runs, trackers
-    from machinery.data import PromptSampler
-    from machinery.task import load_reward_function
-
     config = parse_config(argv)
     run_dir, base_path = start_run(config), config.model
     # App. E.2: the SFT warm start of a base model (--sft-only ends the run there)
@@ -448,54 +568,86 @@ def main(argv: list[str] | None = None) -> dict:
     policy, reference, optimizer, scheduler, tokenizer = load_policy(config, base_path)
     problems = load_problems(config, tokenizer)
     guide_generator = torch.Generator().manual_seed(config.seed)
-    sampler = PromptSampler(len(problems), config.seed)
-    state = (policy, optimizer, scheduler, sampler, guide_generator)  # what a checkpoint holds
-    start = runs.restore_or_start(config.resume, run_dir, *state)
+    prompt_sampler = PromptSampler(len(problems), config.seed)
+    state = (policy, optimizer, scheduler, prompt_sampler, guide_generator)  # a checkpoint's
+    start = runs.restore_or_start(config.resume, run_dir, state=state)
     reward_function = load_reward_function(config.reward)
-    logger = trackers.RunLogger(config, run_dir, tokenizer)
-    engine = start_engine(config, base_path, policy)
+    logger = trackers.RunLogger(config, run_dir, tokenizer=tokenizer)
+    engine = start_engine(config, base_path, policy=policy)
     # pass@k (and the support probe) of the starting policy
     logger.evaluate(engine, updates=start, first=True, policy=policy)
-    for step in logger.progress_bar(start):
-        timer = runs.PhaseTimer()
-        # 1-2. prompts -> G rollouts each -> rewards (and the extras that act here: hints, refill)
-        sampled = collect_rollouts(engine, sampler, problems, config, step, reward_function, timer)
-        rollouts, rewards, metrics = sampled
-        with timer("sleep"):
-            engine.sleep(level=2)  # CUDA: drop the engine's weights and KV cache for the update
-        if rewards.numel() > 0:  # (dynamic sampling may leave no group with signal)
-            batches = micro_batches(rollouts, config, tokenizer.pad_token_id, policy.device)
-            guide = functools.partial(guide_log_q, config, step=step, generator=guide_generator)
-            # 3. the log-probs held fixed during the update: pi_ref's (pi_old's, log q when needed)
-            with timer("reference"):
-                held = [held_fixed_logps(policy, reference, b, config, guide) for _, b in batches]
-            # 4. advantages (with k1_return, of the returns the pseudo-KL shaped)
-            returns = rewards
-            if config.loss.kl_estimator == "k1_return" and needs_reference(config):
-                # SAGE: each return minus beta * k1 against p~ = pi_ref * q (Eq. 8)
-                returns = kl_shaped_returns(rewards, batches, held, config.loss.beta)
-            advantages = loss.compute_advantages(returns, config.rollouts, config.loss.advantage)
-            # 5-7. per micro-batch: the guide's log q -> loss -> backward; then one AdamW step
-            with timer("update"):
-                metrics |= update_policy(
-                    policy, optimizer, batches, held, advantages, config, guide
+    finished = start >= config.steps
+    with tqdm(desc="rl", initial=start, total=config.steps) as progress:
+        for step in range(start, config.steps):
+            timer = runs.PhaseTimer()
+            # 1. prompts -> G rollouts each -> rewards (and the extras that act here)
+            rollouts, rewards, metrics = collect_rollouts(
+                engine,
+                prompt_sampler,
+                problems=problems,
+                config=config,
+                step=step,
+                reward_function=reward_function,
+                timer=timer,
+            )
+            with timer("sleep"):
+                engine.sleep(level=2)  # CUDA: drop the engine's weights and KV cache
+            if rewards.numel() > 0:  # (dynamic sampling may leave no group with signal)
+                batches = micro_batches(
+                    rollouts, config, pad_id=tokenizer.pad_token_id, device=policy.device
                 )
-        scheduler.step()
-        # 8. the weight push into the engine
-        with timer("sync"):
-            engine.sync_weights(policy)
-        # 9. metrics, and pass@k every --eval-every steps
-        logger.log_step(step, rollouts, rewards, metrics, timer, scheduler.get_last_lr()[0])
-        logger.evaluate(engine, updates=step + 1, policy=policy)
-        # 10. checkpoint (and --stop-after)
-        if runs.checkpoint_if_due(run_dir, step, start, config, state):
-            break
+                # 2. what the update holds fixed: pi_ref's log-probs (pi_old's, log q if needed)
+                with timer("reference"):
+                    held = [
+                        held_fixed_logps(
+                            policy,
+                            reference,
+                            batch=batch,
+                            config=config,
+                            step=step,
+                            generator=guide_generator,
+                        )
+                        for _, batch in batches
+                    ]
+                # 3. advantages (with k1_return, of the returns the pseudo-KL shaped)
+                advantages = step_advantages(rewards, batches, held=held, config=config)
+                # 4. per micro-batch: forward pass -> log q -> loss -> backward; one AdamW step
+                with timer("update"):
+                    metrics |= update_policy(
+                        policy,
+                        optimizer,
+                        batches=batches,
+                        held=held,
+                        advantages=advantages,
+                        config=config,
+                        step=step,
+                        generator=guide_generator,
+                    )
+            scheduler.step()
+            # 5. the weight push into the engine
+            with timer("sync"):
+                engine.sync_weights(policy)
+            # 6. metrics, and pass@k every --eval-every steps
+            lr = scheduler.get_last_lr()[0]
+            logger.log_step(
+                step,
+                rollouts,
+                rewards=rewards,
+                metrics=metrics,
+                timer=timer,
+                lr=lr,
+                progress=progress,
+            )
+            logger.evaluate(engine, updates=step + 1, policy=policy)
+            progress.update()
+            finished = step + 1 == config.steps
+            # 7. checkpoint (and --stop-after)
+            if runs.checkpoint_if_due(run_dir, step, start=start, config=config, state=state):
+                break
     logger.close()
     engine.close()
-    return {"run_dir": run_dir, "finished": logger.finished}
+    return {"run_dir": run_dir, "finished": finished}
 
 
 if __name__ == "__main__":
-    from machinery import cli
-
     cli.run(main)

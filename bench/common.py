@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import sage
 
 
@@ -13,6 +11,10 @@ def update(policy, optimizer, rollouts, advantages, config, pad_id: int, generat
     backward, then one AdamW step; returns its metrics."""
     device = next(policy.parameters()).device
     batches = sage.micro_batches(rollouts, config, pad_id, device)
-    guide = functools.partial(sage.guide_log_q, config, step=0, generator=generator)
-    held = [sage.held_fixed_logps(policy, None, batch, config, guide) for _, batch in batches]
-    return sage.update_policy(policy, optimizer, batches, held, advantages, config, guide)
+    held = [
+        sage.held_fixed_logps(policy, None, batch, config, step=0, generator=generator)
+        for _, batch in batches
+    ]
+    return sage.update_policy(
+        policy, optimizer, batches, held, advantages, config, step=0, generator=generator
+    )

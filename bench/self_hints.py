@@ -24,19 +24,12 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from extras import demo  # noqa: E402
-
-ENV = {
-    **os.environ,
-    "GOMP_SPINCOUNT": "100000",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+from machinery.runs import SUBPROCESS_ENV  # noqa: E402
 
 
 def run(command: list[str]) -> None:
     result = subprocess.run(
-        [sys.executable, *command], cwd=REPO, env=ENV, capture_output=True, text=True
+        [sys.executable, *command], cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True
     )
     if result.returncode != 0:
         raise SystemExit(

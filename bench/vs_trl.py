@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -31,43 +32,27 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from extras import demo  # noqa: E402
+from machinery.runs import SUBPROCESS_ENV  # noqa: E402
 
-ENV = {
-    **os.environ,
-    "GOMP_SPINCOUNT": "100000",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
 # The knobs both trainers get, with sage.py's flag names (trl_sage.py uses the same).
-SHARED = [
-    "--prompts-per-step",
-    "8",
-    "--rollouts",
-    "8",
-    "--micro-batch-size",
-    "64",
-    "--lora-rank",
-    "16",
-    "--lora-alpha",
-    "32",
-    "--lr",
-    "5e-4",
-    "--beta",
-    "0.05",
-    "--guide",
-    "branch",
-    "--max-prompt-len",
-    "96",
-    "--no-gradient-checkpointing",
-    "--seed",
-    "3407",
-]
+SHARED = shlex.split("""
+    --prompts-per-step 8
+    --rollouts 8
+    --micro-batch-size 64
+    --lora-rank 16
+    --lora-alpha 32
+    --lr 5e-4
+    --beta 0.05
+    --guide branch
+    --max-prompt-len 96
+    --no-gradient-checkpointing
+    --seed 3407
+""")
 PHASES = ("rollout", "reward", "reference", "update", "sync", "other")
 
 
 def run(command: list[str]) -> None:
-    result = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True)
+    result = subprocess.run(command, cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(
             f"bench/vs_trl.py: {' '.join(command[:3])} failed:\n{result.stderr[-3000:]}"
@@ -96,27 +81,16 @@ def prepare(workdir: str) -> dict[str, str]:
 def sage_steps(
     model: str, dataset: str, max_seq_len: int, steps: int, warmup: int, out: str
 ) -> dict:
-    run(
-        [
-            sys.executable,
-            "sage.py",
-            "--model",
-            model,
-            "--dataset",
-            dataset,
-            "--max-seq-len",
-            str(max_seq_len),
-            "--steps",
-            str(steps),
-            "--out",
-            out,
-            "--name",
-            "sage",
-            "--gpu-memory-utilization",
-            "0.2",
-            *SHARED,
-        ]
-    )
+    flags = f"""
+        --model {model}
+        --dataset {dataset}
+        --max-seq-len {max_seq_len}
+        --steps {steps}
+        --out {out}
+        --name sage
+        --gpu-memory-utilization 0.2
+    """
+    run([sys.executable, "sage.py", *shlex.split(flags), *SHARED])
     with open(os.path.join(out, "sage", "metrics.jsonl")) as handle:
         rows = [json.loads(line) for line in handle][warmup:]
     breakdown = {
@@ -132,29 +106,17 @@ def sage_steps(
 def trl_steps(
     model: str, dataset: str, max_seq_len: int, steps: int, warmup: int, out: str
 ) -> dict:
-    run(
-        [
-            sys.executable,
-            "-m",
-            "extras.trl_sage",
-            "--model",
-            model,
-            "--dataset",
-            dataset,
-            "--max-seq-len",
-            str(max_seq_len),
-            "--steps",
-            str(steps),
-            "--out",
-            out,
-            "--name",
-            "trl",
-            "--no-use-vllm",
-            "--save-every",
-            str(10 * steps),
-            *SHARED,
-        ]
-    )
+    flags = f"""
+        --model {model}
+        --dataset {dataset}
+        --max-seq-len {max_seq_len}
+        --steps {steps}
+        --out {out}
+        --name trl
+        --no-use-vllm
+        --save-every {10 * steps}
+    """
+    run([sys.executable, "-m", "extras.trl_sage", *shlex.split(flags), *SHARED])
     with open(os.path.join(out, "trl", "metrics.jsonl")) as handle:
         rows = [row for row in map(json.loads, handle) if "step_time" in row][warmup:]
     return {

@@ -47,6 +47,8 @@ import subprocess
 import sys
 import time
 
+from machinery.runs import SUBPROCESS_ENV
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = {
     "grpo": ["--guide", "none"],
@@ -63,19 +65,17 @@ BASELINE = "grpo"
 PROBE = ("mean_logp_full", "mean_logp", "supp@0.1", "supp@0.01", "supp@0.001", "supp@0.0001")
 PROBE += ("outside",)
 TASK_SEED = 3407  # the held-out split every seed shares (the demo's own)
-ENV = {
-    **os.environ,
-    "GOMP_SPINCOUNT": "100000",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+
+
+# each stage's threads: the cores split between the seeds trained at once (main sets --jobs)
+THREADS = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}
 
 
 def run(command: list[str]) -> None:
     """A stage as a subprocess; its failure ends the study with its last lines."""
+    env = {**SUBPROCESS_ENV, **THREADS}
     result = subprocess.run(
-        [sys.executable, *command], cwd=REPO, env=ENV, capture_output=True, text=True
+        [sys.executable, *command], cwd=REPO, env=env, capture_output=True, text=True
     )
     if result.returncode != 0:
         stage = " ".join(command[:4])
@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> dict:
     out, started = os.path.abspath(args.out), time.time()
     seeds = [args.seed + i for i in range(args.seeds)]
     threads = max(1, (os.cpu_count() or 1) // args.jobs)  # each job's share of the cores
-    ENV.update(OMP_NUM_THREADS=str(threads))
+    THREADS.update(OMP_NUM_THREADS=str(threads))
     per_seed: dict[str, dict[str, dict]] = {}
     with tqdm(total=len(seeds) * (1 + len(arms)), desc="study", unit="arm") as progress:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:

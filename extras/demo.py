@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
 import shutil
 import sys
 from dataclasses import dataclass
@@ -41,42 +42,31 @@ from machinery.task import FORMAT_TOKENS, SYSTEM_PROMPT, format_completion
 # --------------------------------------------------------------------------------------------
 
 # The paper's code path at a laptop's size; flags given to the demo come after these and win.
-DEMO_FLAGS = [
-    "--steps",
-    "500",
-    "--prompts-per-step",
-    "8",
-    "--rollouts",
-    "8",
-    "--micro-batch-size",
-    "64",
-    "--no-gradient-checkpointing",  # the whole step in one pass
-    "--guide",
-    "branch",
-    "--lr",
-    "5e-4",
-    "--warmup-ratio",
-    "0.05",
-    "--lora-rank",
-    "16",
-    "--lora-alpha",
-    "32",
-    "--max-seq-len",
-    "640",  # room for self-hints: the hint request holds the problem and its solution
-    "--max-prompt-len",
-    "576",  # completions get the remaining 64 tokens
-    "--save-every",
-    "100",
-    "--gpu-memory-utilization",
-    "0.2",
-    # pass@k on the held-out problems every 100 steps, sampled as in training (the policy RL shapes)
-    "--eval-every",
-    "100",
-    "--eval-temperature",
-    "1.0",
-    "--eval-top-p",
-    "1.0",
-]
+DEMO_FLAGS = shlex.split(
+    """
+    --steps 500
+    --prompts-per-step 8
+    --rollouts 8
+    --micro-batch-size 64
+    --no-gradient-checkpointing        # the whole step in one pass
+    --guide branch
+    --lr 5e-4
+    --warmup-ratio 0.05
+    --lora-rank 16
+    --lora-alpha 32
+    --max-seq-len 640                  # room for self-hints: the hint request holds the problem
+                                       # and its solution
+    --max-prompt-len 576               # completions get the remaining 64 tokens
+    --save-every 100
+    --gpu-memory-utilization 0.2
+    # pass@k on the held-out problems every 100 steps, sampled as in training (the policy RL
+    # shapes)
+    --eval-every 100
+    --eval-temperature 1.0
+    --eval-top-p 1.0
+    """,
+    comments=True,
+)
 
 
 @dataclass

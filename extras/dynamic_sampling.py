@@ -9,7 +9,6 @@ it has). Overlong shaping lowers the reward of completions that run into the len
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -46,36 +45,23 @@ def overlong_penalty_of(rollouts, config) -> torch.Tensor:
     return overlong_penalty(lengths, max_len, config.extras["dynamic_sampling"].overlong_buffer)
 
 
-def select(rollouts, rows: list[int]):
-    """The given rows of a ``sage.Rollouts``, in order."""
-    fields = dataclasses.fields(rollouts)
-    return type(rollouts)(*([getattr(rollouts, f.name)[r] for r in rows] for f in fields))
-
-
-def concat(parts: list):
-    """``sage.Rollouts`` one after another."""
-    fields = dataclasses.fields(parts[0])
-    return type(parts[0])(*([x for part in parts for x in getattr(part, f.name)] for f in fields))
-
-
-def refill(sampler, problems: list[dict], first: tuple, config, step: int, sample):
+def refill(sampler, problems: list[dict], first: tuple, config, step: int, sample, informative):
     """Keep the groups with signal and sample fresh prompts until the step is full.
 
     ``first`` is (rollouts, rewards, (groups sampled, groups without signal)) of the step's first
-    round; ``sample(chosen problems, seed)`` gives (rollouts, rewards) of a round. Returns the
-    same three for the step's kept rollouts (at most prompts x G rows).
+    round; ``sample(chosen problems, seed)`` gives (rollouts, rewards) of a round, the rollouts a
+    ``sage.Rollouts``; ``informative(rewards, group_size)`` flags the groups with signal. Returns
+    the same three for the step's kept rollouts (at most prompts x G rows).
     """
-    import sage
-
     rollouts, rewards, (num_groups, num_zero_signal) = first
     group_size, wanted = config.rollouts, config.prompts_per_step * config.rollouts
-    kept = [(rollouts, rewards, sage.informative_groups(rewards, group_size))]
+    kept = [(rollouts, rewards, informative(rewards, group_size))]
     for refill_round in range(1, config.extras["dynamic_sampling"].max_refill_rounds + 1):
         if sum(int(flags.sum()) for _, _, flags in kept) * group_size >= wanted:
             break
         chosen = [problems[i] for i in sampler.take(config.prompts_per_step)]
         more, more_rewards = sample(chosen, rollout.rollout_seed(config.seed, step, refill_round))
-        more_informative = sage.informative_groups(more_rewards, group_size)
+        more_informative = informative(more_rewards, group_size)
         num_groups += config.prompts_per_step
         num_zero_signal += int((~more_informative).sum())
         kept.append((more, more_rewards, more_informative))
@@ -83,9 +69,10 @@ def refill(sampler, problems: list[dict], first: tuple, config, step: int, sampl
         [g * group_size + i for g in flags.nonzero().flatten().tolist() for i in range(group_size)]
         for _, _, flags in kept
     ]
-    rollouts = concat([select(part, part_rows) for (part, _, _), part_rows in zip(kept, rows)])
+    parts = [part.select(part_rows) for (part, _, _), part_rows in zip(kept, rows)]
+    rollouts = parts[0].concat(parts[1:])
     rewards = torch.cat(
         [part_rewards[part_rows] for (_, part_rewards, _), part_rows in zip(kept, rows)]
     )
-    rollouts = select(rollouts, list(range(min(len(rewards), wanted))))
+    rollouts = rollouts.select(list(range(min(len(rewards), wanted))))
     return rollouts, rewards[:wanted], (num_groups, num_zero_signal)

@@ -47,7 +47,6 @@ anchor act on whatever rollouts the batch holds, hinted or not, each on its own 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -226,22 +225,21 @@ def replace_groups(rollouts, groups: list[int], other, group_size: int):
     groups follow that list."""
     source = {g: i for i, g in enumerate(groups)}
     rows = [
-        (other, source[r // group_size] * group_size + r % group_size)
+        other.select([source[r // group_size] * group_size + r % group_size])
         if r // group_size in source
-        else (rollouts, r)
+        else rollouts.select([r])
         for r in range(len(rollouts.texts))
     ]
-    fields = dataclasses.fields(rollouts)
-    return type(rollouts)(*([getattr(part, f.name)[row] for part, row in rows] for f in fields))
+    return rows[0].concat(rows[1:])
 
 
-def self_hint(engine, rollouts, rewards, chosen: list[dict], config, step: int, reward_function):
+def self_hint(engine, rollouts, rewards, chosen: list[dict], config, step: int, sample):
     """The policy writes hints for the all-wrong groups from their reference solutions; levels
     1, 2, 3 in turn, each still-unsolved group is sampled again on prompt + hint, graded against
-    its original answer, and replaces its unhinted group. Returns (rollouts, rewards, hints/*
+    its original answer, and replaces its unhinted group. ``sample(problems, seed)`` gives
+    (rollouts, rewards) of the trainer's sampler and reward. Returns (rollouts, rewards, hints/*
     metrics)."""
     import rollout
-    import sage
     from machinery.task import build_prompt_ids, chat_ids
 
     stats, group_size, tokenizer = HintStats(), config.rollouts, engine.tokenizer
@@ -283,15 +281,10 @@ def self_hint(engine, rollouts, rewards, chosen: list[dict], config, step: int, 
             targets = [g for g in targets if len(hinted[g]["prompt_ids"]) <= config.max_prompt_len]
             if not targets:
                 continue
-            again = sage.generate_rollouts(
-                engine,
-                [hinted[g] for g in targets],
-                config,
-                rollout.rollout_seed(config.seed, step, 1000 + number),
+            # graded against the original answer
+            again, again_rewards = sample(
+                [hinted[g] for g in targets], rollout.rollout_seed(config.seed, step, 1000 + number)
             )
-            again_rewards = sage.compute_rewards(
-                again, reward_function, config
-            )  # against the original answer
             rollouts = replace_groups(rollouts, targets, again, group_size)
             rows = torch.tensor([g * group_size + i for g in targets for i in range(group_size)])
             rewards = rewards.clone().index_put_((rows,), again_rewards)

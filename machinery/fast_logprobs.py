@@ -231,6 +231,26 @@ def chunked_token_logps_and_entropies(
     return logps.view(token_ids.shape), entropies.view(token_ids.shape)
 
 
+def completion_logits(model, batch: dict) -> torch.Tensor:
+    """[B, C, V] logits of the C positions that predict a batch's completions (only those are
+    projected to the vocabulary)."""
+    completion_ids, input_len = batch["completion_ids"], batch["input_ids"].shape[1]
+    first = input_len - completion_ids.shape[1] - 1  # the position that predicts token 0: P - 1
+    predicting = torch.arange(first, input_len - 1, device=completion_ids.device)  # [C]
+    inputs = {key: batch[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    return model(**inputs, logits_to_keep=predicting, use_cache=False).logits
+
+
+def completion_logps(model, batch: dict, temperature: float, min_p: float):
+    """``loss.completion_logps``'s fast path: the chunked kernel on the completions' logits, each
+    shared prompt run once where a batch comes in groups (``collate``'s group_size) and no
+    gradient checkpointing forbids the cache."""
+    if batch.get("group_size", 1) > 1 and not getattr(model, "is_gradient_checkpointing", False):
+        return shared_prompt_logps(model, batch, temperature, min_p)
+    logits = completion_logits(model, batch)
+    return chunked_token_logps_and_entropies(logits, batch["completion_ids"], temperature, min_p)
+
+
 def shared_prompt_logps(
     model, batch: dict, temperature: float, min_p: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,16 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+# The environment of a stage run as a subprocess (extras/compare.py, bench/): vLLM in-process,
+# no hub, quiet tokenizers, OpenMP threads that sleep after ~1 ms of spinning (docs/history.md).
+SUBPROCESS_ENV = {
+    **os.environ,
+    "GOMP_SPINCOUNT": "100000",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
 # --------------------------------------------------------------------------------------------
 # Atomic files
 # --------------------------------------------------------------------------------------------
@@ -247,24 +257,23 @@ def save_model_atomic(model, tokenizer, final: str) -> str:
     return final
 
 
-def restore_or_start(
-    resume: bool, run_dir: str, policy, optimizer, scheduler, sampler, guide_generator
-) -> int:
+def restore_or_start(resume: bool, run_dir: str, state: tuple) -> int:
     """The step to start from: the checkpoint's with --resume (weights, optimizer, scheduler, RNG,
     sampler and guide states restored; metrics.jsonl and eval.jsonl cut back to it), else 0 with
-    fresh logs."""
+    fresh logs. ``state`` is (policy, optimizer, scheduler, prompt sampler, guide generator)."""
     logs = [os.path.join(run_dir, name) for name in ("metrics.jsonl", "eval.jsonl")]
     if not resume:
         for path in logs:
             if os.path.exists(path):
                 os.remove(path)
         return 0
-    state = load_checkpoint(run_dir, policy, optimizer, scheduler)
-    sampler.load_state_dict(state["sampler"])
-    guide_generator.set_state(state["guide_generator"])
-    truncate_jsonl(logs[0], state["step"])  # metrics of steps 0 .. step - 1
-    truncate_jsonl(logs[1], state["step"] + 1)  # evaluations after 0 .. step updates
-    return state["step"]
+    policy, optimizer, scheduler, sampler, guide_generator = state
+    saved = load_checkpoint(run_dir, policy, optimizer, scheduler)
+    sampler.load_state_dict(saved["sampler"])
+    guide_generator.set_state(saved["guide_generator"])
+    truncate_jsonl(logs[0], saved["step"])  # metrics of steps 0 .. step - 1
+    truncate_jsonl(logs[1], saved["step"] + 1)  # evaluations after 0 .. step updates
+    return saved["step"]
 
 
 def checkpoint_due(

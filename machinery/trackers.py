@@ -123,7 +123,6 @@ class RunLogger:
             config.resume,
         )
         self.zero_reward_streak = 0
-        self.progress, self.finished = None, False
 
     @staticmethod
     def _benchmarks(config) -> dict:
@@ -139,15 +138,11 @@ class RunLogger:
         )
         return {name: problems for name, (_, problems) in resolved.items()}
 
-    def progress_bar(self, start: int):
-        self.finished = start >= self.config.steps
-        self.progress = tqdm(
-            range(start, self.config.steps), desc="rl", initial=start, total=self.config.steps
-        )
-        return self.progress
-
-    def log_step(self, step: int, rollouts, rewards, metrics: dict, timer, lr: float) -> None:
-        """One line of metrics.jsonl (and the trackers), the progress bar's figures, the warning."""
+    def log_step(
+        self, step: int, rollouts, rewards, metrics: dict, timer, lr: float, progress=None
+    ) -> None:
+        """One line of metrics.jsonl (and the trackers), the figures on the ``progress`` bar, the
+        zero-reward warning."""
         lengths = [len(c) for c in rollouts.completion_ids]
         record = {
             "step": step,
@@ -161,10 +156,10 @@ class RunLogger:
             **timer.record(),
         }
         self.trackers.log(record, step)
-        self.finished = step + 1 == self.config.steps
-        self.progress.set_postfix(
-            reward=f"{record['reward']:.3f}", kl=f"{record.get('kl/ref_k3', 0.0):.4f}"
-        )
+        if progress is not None:
+            progress.set_postfix(
+                reward=f"{record['reward']:.3f}", kl=f"{record.get('kl/ref_k3', 0.0):.4f}"
+            )
         all_zero = rewards.numel() == 0 or rewards.max() <= 0
         self.zero_reward_streak = self.zero_reward_streak + 1 if all_zero else 0
         if self.zero_reward_streak == self.config.zero_reward_warning:

