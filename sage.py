@@ -43,6 +43,7 @@ PRESETS = {
 }
 # The extras' knobs, parsed with Config; each extra is imported only where its flag is on.
 EXTRAS = {
+    "memory": "machinery.memory_plan:PlanConfig",  # --plan-memory, --gpu-gb (not an extra)
     "sft": "extras.sft:SFTConfig",
     "dynamic_sampling": "extras.dynamic_sampling:DynamicSamplingConfig",
     "hints": "extras.hints:HintsConfig",
