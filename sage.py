@@ -173,16 +173,14 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 def start_run(config: Config) -> str:
-    """Create <out>/<name> (a checkpoint there needs --resume), seed, save the config."""
-    from machinery import flag_checks, runs
+    """<out>/<name> checked (a checkpoint needs --resume, a CUDA run must fit), seed; no write."""
+    from machinery import flag_checks
 
     model = os.path.basename(config.model.rstrip("/"))
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
     flag_checks.check_run_dir(run_dir, config)
-    os.makedirs(run_dir, exist_ok=True)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
-    runs.write_json_atomic(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
     return run_dir
 
 
@@ -451,8 +449,9 @@ def main(argv: list[str] | None = None) -> dict:
     guide_generator = torch.Generator().manual_seed(config.seed)
     sampler = PromptSampler(len(problems), config.seed)
     state = (policy, optimizer, scheduler, sampler, guide_generator)  # what a checkpoint holds
-    start = runs.restore_or_start(config.resume, run_dir, *state)
     reward_function = load_reward_function(config.reward)
+    runs.save_run_config(run_dir, config)  # the run can start: the model, data and reward loaded
+    start = runs.restore_or_start(config.resume, run_dir, *state)
     logger = trackers.RunLogger(config, run_dir, tokenizer)
     engine = start_engine(config, base_path, policy)
     logger.evaluate(engine, updates=start, first=True)  # pass@k of the starting policy

@@ -370,3 +370,30 @@ def test_guide_entropy_reference_takes_q_from_the_reference_pass(tiny):
         policy, reference, batch, dataclasses.replace(config, min_p=0.0), log_q_of
     )
     assert torch.equal(seen[0], reference_entropies) and not torch.equal(seen[0], policy_entropies)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("a directory without a model", "cannot load model"),
+        ("a malformed dataset", "train.jsonl: line 2 does not parse as JSON"),
+        ("a wrong --problem-key", "has no field 'question'"),
+    ],
+)
+def test_a_run_that_cannot_start_ends_in_one_line_and_writes_nothing(
+    case, message, tmp_path, tiny_model_dir
+):
+    """The run directory is written only once the model, the data and the reward have loaded."""
+    rows = '{"prompt": "1+1", "solution": "2"}\n'
+    rows += '{"prompt": "2+2",\n' if case == "a malformed dataset" else rows
+    (tmp_path / "train.jsonl").write_text(rows)
+    (tmp_path / "empty").mkdir()
+    model = str(tmp_path / "empty") if case == "a directory without a model" else tiny_model_dir
+    argv = ["--model", model, "--dataset", str(tmp_path / "train.jsonl"), "--backend", "hf"]
+    argv += ["--out", str(tmp_path / "runs"), "--name", "x", "--steps", "1"]
+    argv += ["--problem-key", "question"] if case == "a wrong --problem-key" else []
+    with pytest.raises((SystemExit, cli.UsageError)) as ended:
+        sage.main(argv)
+    text = str(ended.value)
+    assert message in text and "\n" not in text and "internet" not in text
+    assert not (tmp_path / "runs").exists()
