@@ -103,7 +103,7 @@ class Config:
     full_finetune: bool = False
     """Train all weights, not LoRA (the reference is then a frozen copy; float32 on CUDA)."""
     gradient_checkpointing: bool = True
-    """Recompute activations in the backward (a 7B keeps ~6 MB per token without it)."""
+    """Recompute activations in the backward (a 7B keeps ~10 MB per token without it)."""
     # ---- sampling (section 5.1) ----
     max_seq_len: int = 2048
     """Prompt + completion tokens (paper: 2,048; R1-distill: 8,192)."""

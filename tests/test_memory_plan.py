@@ -50,6 +50,7 @@ def run_config(**overrides):
     return sage.Config(**{**settings, "max_prompt_len": 32, "steps": 10, **overrides})
 
 
+@pytest.mark.slow
 def test_the_simulated_update_peak_is_a_real_cpu_steps_within_5_percent():
     """The same step, once on the meta device (no values) and once for real on the CPU, both
     counted storage by storage: the simulation's peak is the real one within 5% (the
