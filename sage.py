@@ -174,8 +174,9 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 def start_run(config: Config) -> str:
     """<out>/<name> checked (a checkpoint needs --resume, a CUDA run must fit), seed; no write."""
-    from machinery import flag_checks
+    from machinery import flag_checks, memory_plan
 
+    memory_plan.before_loading(config, sage=sys.modules[__name__])  # --plan-memory ends here
     model = os.path.basename(config.model.rstrip("/"))
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
     flag_checks.check_run_dir(run_dir, config)
@@ -432,9 +433,8 @@ def update_policy(policy, optimizer, batches, held, advantages, config: Config, 
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from machinery import runs, trackers
+    from machinery import runs, task, trackers
     from machinery.data import PromptSampler
-    from machinery.task import load_reward_function
 
     config = parse_config(argv)
     run_dir, base_path = start_run(config), config.model
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> dict:
     guide_generator = torch.Generator().manual_seed(config.seed)
     sampler = PromptSampler(len(problems), config.seed)
     state = (policy, optimizer, scheduler, sampler, guide_generator)  # what a checkpoint holds
-    reward_function = load_reward_function(config.reward)
+    reward_function = task.load_reward_function(config.reward)
     runs.save_run_config(run_dir, config)  # the run can start: the model, data and reward loaded
     start = runs.restore_or_start(config.resume, run_dir, *state)
     logger = trackers.RunLogger(config, run_dir, tokenizer)

@@ -211,12 +211,9 @@ def check_reward(spec: str, error) -> None:
 
 
 def check_run_dir(run_dir: str, config) -> None:
-    """Before anything loads: the GPU's checks and the memory plan (--plan-memory prints it and
-    ends here; a CUDA run that cannot fit is refused), a checkpoint is continued only with
-    --resume, --resume needs one, and a --full-finetune model must fit."""
-    from machinery import memory_plan, models, runs
-
-    memory_plan.before_loading(config)
+    """Before anything loads: a checkpoint is continued only with --resume, --resume needs one,
+    and a --full-finetune model must fit."""
+    from machinery import models, runs
 
     if not config.resume and os.path.exists(runs.checkpoint_dir(run_dir)):
         raise SystemExit(

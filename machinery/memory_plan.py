@@ -204,11 +204,9 @@ def read_model_config(model: str):
         ) from None
 
 
-def step_rollouts(config, vocab: int, count: int):
+def step_rollouts(config, vocab: int, count: int, sage):
     """``count`` rollouts of the step, prompt-major (G completions share each prompt), every
     prompt --max-prompt-len and every completion the whole budget long."""
-    import sage
-
     completion_len = config.max_seq_len - config.max_prompt_len
     prompts, completions = [], []
     for row in range(count):
@@ -226,7 +224,7 @@ def step_rollouts(config, vocab: int, count: int):
     )
 
 
-def simulate_update(model_config, config, dtype: torch.dtype, device: str = "meta") -> dict:
+def simulate_update(model_config, config, dtype: torch.dtype, sage, device: str = "meta") -> dict:
     """Bytes of one steady-state update step counted storage by storage: ``weights`` (the
     trainer's model, adapters and reference), ``resident`` (with AdamW's moments: what stays
     between steps), ``peak`` and the op at the peak. On ``meta``, simulated; on ``cpu``, a real
@@ -234,7 +232,6 @@ def simulate_update(model_config, config, dtype: torch.dtype, device: str = "met
     from transformers import AutoModelForCausalLM
 
     import loss
-    import sage
     from machinery import models
 
     with contextlib.ExitStack() as stack:
@@ -275,7 +272,7 @@ def simulate_update(model_config, config, dtype: torch.dtype, device: str = "met
         resident = counter.total
         sequences = config.prompts_per_step * config.rollouts
         count = min(sequences, 2 * config.micro_batch_size)  # the peak comes by the second
-        rollouts = step_rollouts(config, model_config.get_text_config().vocab_size, count)
+        rollouts = step_rollouts(config, model_config.get_text_config().vocab_size, count, sage)
         rewards = torch.arange(sequences, dtype=torch.float32) % 2
         advantages = loss.compute_advantages(rewards, config.rollouts, config.loss.advantage)
         generator = torch.Generator().manual_seed(0)
@@ -337,7 +334,7 @@ def engine_share(model_config, config, card_bytes: int) -> tuple[dict, str]:
     return engine, reason
 
 
-def largest_fitting_micro_batch(model_config, config, dtype, usable: int) -> int:
+def largest_fitting_micro_batch(model_config, config, dtype, usable: int, sage) -> int:
     """The largest power of two (up to the step's sequences) whose update peak fits in
     ``usable`` bytes, by bisection (the peak grows with the micro-batch); 0 if none does."""
     sequences = config.prompts_per_step * config.rollouts
@@ -346,21 +343,21 @@ def largest_fitting_micro_batch(model_config, config, dtype, usable: int) -> int
     while low <= high:
         middle = (low + high) // 2
         trial = dataclasses.replace(config, micro_batch_size=sizes[middle])
-        if simulate_update(model_config, trial, dtype)["peak"] <= usable:
+        if simulate_update(model_config, trial, dtype, sage)["peak"] <= usable:
             best, low = sizes[middle], middle + 1
         else:
             high = middle - 1
     return best
 
 
-def plan(config, card_bytes: int, search: bool = True) -> dict:
+def plan(config, card_bytes: int, sage, search: bool = True) -> dict:
     """The forecast of a run on a card of ``card_bytes``: the update's peak, the engine's share,
     the run's peak, the verdict, and (``search``) the largest micro-batch that fits."""
     from machinery import engine_checks
 
     model_config = read_model_config(config.model)
     dtype = trainer_dtype(config, "cuda")
-    update = simulate_update(model_config, config, dtype)
+    update = simulate_update(model_config, config, dtype, sage)
     engine, engine_reason = engine_share(model_config, config, card_bytes)
     usable = int((1 - engine_checks.GPU_HEADROOM) * card_bytes)
     awake = update["resident"] + (engine["share"] or 0.0) * card_bytes
@@ -368,7 +365,7 @@ def plan(config, card_bytes: int, search: bool = True) -> dict:
     fits = not engine_reason and run_peak <= usable
     largest = None
     if search:
-        largest = largest_fitting_micro_batch(model_config, config, dtype, usable)
+        largest = largest_fitting_micro_batch(model_config, config, dtype, usable, sage)
     gigabytes = functools.partial(round, ndigits=2)
     return {
         "model": config.model,
@@ -478,7 +475,7 @@ def print_report(result: dict, config) -> None:
     print(json.dumps(result))
 
 
-def before_loading(config) -> None:
+def before_loading(config, sage) -> None:
     """Before anything loads: a CPU torch beside an NVIDIA GPU is refused; --plan-memory prints
     the plan and ends the program; on CUDA a run that cannot fit is refused with one line naming
     the flag to change (a run that fits says nothing)."""
@@ -487,14 +484,14 @@ def before_loading(config) -> None:
     if settings.gpu_gb < 0:
         raise SystemExit(f"error: --gpu-gb {settings.gpu_gb}: pass the card's memory in GB, > 0")
     if settings.plan_memory:
-        result = plan(config, card_bytes_of(settings.gpu_gb))
+        result = plan(config, card_bytes_of(settings.gpu_gb), sage)
         print_report(result, config)
         raise SystemExit(0)
     if plan_device() != "cuda":
         return
-    result = plan(config, card_bytes_of(settings.gpu_gb), search=False)
+    result = plan(config, card_bytes_of(settings.gpu_gb), sage, search=False)
     if result["fits"]:
         return
     if not result["engine_problem"]:  # would a smaller micro-batch fit?
-        result = plan(config, card_bytes_of(settings.gpu_gb))
+        result = plan(config, card_bytes_of(settings.gpu_gb), sage)
     raise SystemExit(f"error: the run {verdict(result, config)}")

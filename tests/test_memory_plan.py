@@ -56,8 +56,8 @@ def test_the_simulated_update_peak_is_a_real_cpu_steps_within_5_percent():
     counted storage by storage: the simulation's peak is the real one within 5% (the
     activations, not the weights, make most of it)."""
     model_config, config = Qwen2Config(**TINY_SHAPE), run_config(micro_batch_size=4)
-    simulated = memory_plan.simulate_update(model_config, config, torch.float32, "meta")
-    real = memory_plan.simulate_update(model_config, config, torch.float32, "cpu")
+    simulated = memory_plan.simulate_update(model_config, config, torch.float32, sage, "meta")
+    real = memory_plan.simulate_update(model_config, config, torch.float32, sage, "cpu")
     assert simulated["weights"] == real["weights"]
     assert simulated["peak"] == pytest.approx(real["peak"], rel=0.05)
     assert real["peak"] > 5 * real["weights"]
@@ -85,7 +85,7 @@ def test_the_plan_of_the_7b_step_is_the_simulated_20_1_gb_of_docs_gpu(tmp_path):
     Qwen2Config(**SEVEN_B_SHAPE).save_pretrained(tmp_path)
     config = sage.Config(model=str(tmp_path), max_seq_len=1792, max_prompt_len=256)
     config.extras["memory"] = memory_plan.PlanConfig()
-    plan = memory_plan.plan(config, card_bytes=48 * 10**9, search=False)
+    plan = memory_plan.plan(config, card_bytes=48 * 10**9, sage=sage, search=False)
     assert plan["update_peak_gb"] == pytest.approx(20.1, rel=0.05)
     assert plan["trainer_weights_gb"] == pytest.approx(15.3, abs=0.1) and plan["fits"]
 
@@ -101,7 +101,7 @@ def test_a_cuda_run_that_cannot_fit_is_refused_before_the_model_loads(
         trial = run_config(model=tiny_config_dir, backend="hf", micro_batch_size=micro_batch)
         model_config = memory_plan.read_model_config(tiny_config_dir)
         dtype = memory_plan.trainer_dtype(config, "cuda")
-        peaks[micro_batch] = memory_plan.simulate_update(model_config, trial, dtype)["peak"]
+        peaks[micro_batch] = memory_plan.simulate_update(model_config, trial, dtype, sage)["peak"]
     card_gb = (peaks[1] + peaks[4]) / 2 / 0.95 / 1e9
     monkeypatch.setattr(memory_plan, "plan_device", lambda: "cuda")
 
@@ -119,7 +119,7 @@ def test_a_cuda_run_that_cannot_fit_is_refused_before_the_model_loads(
     # The same run on a card it fits says nothing and goes on.
     fits = run_config(model=tiny_config_dir, backend="hf")
     fits.extras["memory"] = memory_plan.PlanConfig(gpu_gb=card_gb * 10)
-    assert memory_plan.before_loading(fits) is None
+    assert memory_plan.before_loading(fits, sage) is None
 
 
 def test_the_engine_share_that_cannot_fit_names_its_flags(tiny_config_dir, monkeypatch):
@@ -127,7 +127,7 @@ def test_the_engine_share_that_cannot_fit_names_its_flags(tiny_config_dir, monke
     config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=2)  # the engine alone needs > 2 GB
     monkeypatch.setattr(memory_plan, "plan_device", lambda: "cuda")
     with pytest.raises(SystemExit, match="lower --rollouts, --prompts-per-step or --max-seq-len"):
-        memory_plan.before_loading(config)
+        memory_plan.before_loading(config, sage)
 
 
 def test_a_cpu_torch_beside_an_nvidia_gpu_is_refused(monkeypatch):
