@@ -31,7 +31,7 @@ import guides
 import loss
 import rollout
 from evaluate import EvalConfig
-from machinery import cli, flag_checks, models, runs, trackers
+from machinery import cli, flag_checks, memory_plan, models, runs, trackers
 from machinery.batches import collate
 from machinery.data import PromptSampler, load_rows, training_problems
 from machinery.task import build_prompt_ids, load_reward_function
@@ -49,6 +49,7 @@ PRESETS = {
 }
 # The extras' knobs, parsed with Config; each extra is imported only where its flag is on.
 EXTRAS = {
+    "memory": "machinery.memory_plan:PlanConfig",  # --plan-memory, --gpu-gb (not an extra)
     "sft": "extras.sft:SFTConfig",
     "dynamic_sampling": "extras.dynamic_sampling:DynamicSamplingConfig",
     "hints": "extras.hints:HintsConfig",
@@ -109,7 +110,7 @@ class Config:
     full_finetune: bool = False
     """Train all weights, not LoRA (the reference is then a frozen copy; float32 on CUDA)."""
     gradient_checkpointing: bool = True
-    """Recompute activations in the backward (a 7B keeps ~6 MB per token without it)."""
+    """Recompute activations in the backward (a 7B keeps ~10 MB per token without it)."""
     fast_logprobs: bool = True
     """Log-probs and entropies through machinery/fast_logprobs.py (the same numbers, no [B, C, V]
     float32 tensor); --no-fast-logprobs runs loss.token_logps_and_entropies, the definition."""
@@ -186,14 +187,13 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 def start_run(config: Config) -> str:
-    """Create <out>/<name> (a checkpoint there needs --resume), seed, save the config."""
+    """<out>/<name> checked (a checkpoint needs --resume, a CUDA run must fit), seed; no write."""
+    memory_plan.before_loading(config, sage=sys.modules[__name__])  # --plan-memory ends here
     model = os.path.basename(config.model.rstrip("/"))
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
     flag_checks.check_run_dir(run_dir, config)
-    os.makedirs(run_dir, exist_ok=True)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
-    runs.write_json_atomic(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
     return run_dir
 
 
@@ -570,8 +570,9 @@ def main(argv: list[str] | None = None) -> dict:
     guide_generator = torch.Generator().manual_seed(config.seed)
     prompt_sampler = PromptSampler(len(problems), config.seed)
     state = (policy, optimizer, scheduler, prompt_sampler, guide_generator)  # a checkpoint's
-    start = runs.restore_or_start(config.resume, run_dir, state=state)
     reward_function = load_reward_function(config.reward)
+    runs.save_run_config(run_dir, config)  # the run can start: the model, data and reward loaded
+    start = runs.restore_or_start(config.resume, run_dir, state=state)
     logger = trackers.RunLogger(config, run_dir, tokenizer=tokenizer)
     engine = start_engine(config, base_path, policy=policy)
     # pass@k (and the support probe) of the starting policy

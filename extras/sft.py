@@ -124,6 +124,7 @@ def warm_start(config, run_dir: str) -> str:
     )
     max_tokens = settings.sft_max_tokens or config.max_seq_len // 2
     pairs, stats = tokenize_sft_examples(tokenizer, examples, max_tokens, settings.sft_max_samples)
+    runs.save_run_config(run_dir, config)  # the SFT stage can start: its model and data loaded
     runs.write_json_atomic(
         os.path.join(run_dir, "sft_stats.json"), {**stats, "dropped_not_numeric": not_numeric}
     )

@@ -63,11 +63,39 @@ def load_rows(
                 source, config_name or None, split=split, data_files=data_files
             )
     except Exception as error:  # noqa: BLE001 -- offline, not cached, renamed upstream, a bad file
+        if looks_local:
+            raise DataError(local_file_problem(source, extension, error)) from None
         raise DataError(
             f"cannot load dataset {source!r} ({first_line(error)}); pass a local .jsonl/.parquet "
             "file, or run once with internet access so the hub copy is cached"
         ) from None
     return list(rows)
+
+
+def local_file_problem(path: str, extension: str, error: Exception) -> str:
+    """Why a local data file did not load, with the line that does not parse for JSON Lines and
+    JSON files (the loader's own message would send the user to the network).
+    """
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError) as problem:
+        return f"cannot read dataset {path} ({first_line(problem)})"
+    lines = text.splitlines() if extension == ".jsonl" else [text]
+    for number, line in enumerate(lines, start=1):
+        if extension not in (".jsonl", ".json") or not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as problem:
+            at = number if extension == ".jsonl" else problem.lineno
+            return f"{path}: line {at} does not parse as JSON ({problem.msg}); fix it"
+        if extension == ".jsonl" and not isinstance(value, dict):
+            return f"{path}: line {number} is not a JSON object; write one object per line"
+    return (
+        f"cannot parse dataset {path} ({first_line(error)}); check that every row has the same "
+        "fields"
+    )
 
 
 def require_fields(rows: list[dict], keys: Sequence[str], where: str, flags: str) -> None:

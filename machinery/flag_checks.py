@@ -22,6 +22,7 @@ def numeric_rules(config) -> list[tuple[str, float, str]]:
     an interval such as "in [0, 1)"."""
     extras = config.extras or {}
     sft, refill = extras.get("sft"), extras.get("dynamic_sampling")
+    memory = extras.get("memory")
     rules = [
         ("--max-train-samples", config.max_train_samples, NON_NEGATIVE),
         ("--steps", config.steps, AT_LEAST_ONE),
@@ -73,6 +74,8 @@ def numeric_rules(config) -> list[tuple[str, float, str]]:
             ("--max-refill-rounds", refill.max_refill_rounds, NON_NEGATIVE),
             ("--overlong-buffer", refill.overlong_buffer, NON_NEGATIVE),
         ]
+    if memory is not None:
+        rules += [("--gpu-gb", memory.gpu_gb, NON_NEGATIVE)]
     return rules
 
 
@@ -142,6 +145,7 @@ def check_config(config, presets: dict, error) -> None:
     guide, kl, beta = config.guide.name, config.loss.kl, config.loss.beta
     extras = config.extras or {}
     sft, refill = extras.get("sft"), extras.get("dynamic_sampling")
+    memory = extras.get("memory")
     budget = config.max_seq_len - config.max_prompt_len
     checks = [
         (

@@ -57,7 +57,7 @@ def attention_implementation(dtype: torch.dtype) -> str:
 
 def enable_gradient_checkpointing(model) -> None:
     """Recompute each layer's activations in the backward: one layer input per token is kept
-    instead of all activations (a 7B Qwen2 keeps ~6 MB per token without it).
+    instead of all activations (a 7B Qwen2 keeps ~10 MB per token without it: docs/gpu.md).
 
     With LoRA the embedding output has no gradient of its own, so a hook marks it as needing one
     (transformers' ``enable_input_require_grads``, what peft's k-bit preparation does): without

@@ -14,6 +14,7 @@ the trainer's own state), and the files of its evaluations. Two rules hold for e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -67,6 +68,13 @@ def write_json_atomic(path: str, payload) -> None:
     with atomic_output(path) as handle:
         json.dump(payload, handle, indent=1)
         handle.write("\n")
+
+
+def save_run_config(run_dir: str, config) -> None:
+    """Create the run directory and save the run's config.json in it: only once the run can
+    start (its model, data and reward have loaded), so a run refused earlier leaves nothing."""
+    os.makedirs(run_dir, exist_ok=True)
+    write_json_atomic(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
 
 
 def write_jsonl_atomic(path: str, rows) -> None:

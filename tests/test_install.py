@@ -61,3 +61,15 @@ def test_a_cuda_install_checks_the_gpu_and_a_flash_attn_wheel_imports():
     makefile = read("Makefile")
     assert "torch.cuda.is_available()" in makefile and "driver >= 580" in makefile
     assert makefile.count('-c "import flash_attn"') == 2  # the given wheel and the prebuilt one
+
+
+def test_a_cuda_install_checks_for_a_c_compiler_and_python_headers():
+    """vLLM's compiled path builds kernels on the node at run time: a missing compiler or
+    Python.h is one line at install time, with the package to install, not a failure mid-run."""
+    cuda_branch = read("Makefile").split("CUDA GPU found", 1)[1].split("else \\", 1)[0]
+    compiler = next(line for line in cuda_branch.splitlines() if "command -v cc" in line)
+    assert "command -v gcc" in compiler
+    errors = [line for line in cuda_branch.splitlines() if "[install] error: no" in line]
+    assert any("C compiler" in line and "build-essential" in line for line in errors)
+    assert any("Python.h" in line and "-dev" in line for line in errors)
+    assert cuda_branch.index("Python.h") < cuda_branch.index('$(PIP) install -e ".[cuda')

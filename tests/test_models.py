@@ -15,9 +15,11 @@ from machinery import batches, models
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_gradient_checkpointing_keeps_the_lora_gradient(tmp_path):
+def test_gradient_checkpointing_keeps_the_lora_gradient(tmp_path, monkeypatch):
     """With the adapters the only trainable weights, checkpointed layers must still pass them a
-    gradient (the input-gradient hook) and the same one as without checkpointing."""
+    gradient (the input-gradient hook) and the same one as without checkpointing. Pinned to the
+    CPU in float32 (on a GPU node the model would load on CUDA in bf16 beside a CPU batch)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     model_dir = demo.save_tiny_model(tmp_path / "model", max_position_embeddings=160)
     gradients = []
     for checkpointing in (False, True):

@@ -506,3 +506,30 @@ def test_ppo_epochs_average_their_gradients_into_one_step(tiny):
         gradients.append(gradient)
     assert gradients[0].abs().max() > 0
     torch.testing.assert_close(gradients[1], gradients[0], atol=1e-7, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("a directory without a model", "cannot load model"),
+        ("a malformed dataset", "train.jsonl: line 2 does not parse as JSON"),
+        ("a wrong --problem-key", "has no field 'question'"),
+    ],
+)
+def test_a_run_that_cannot_start_ends_in_one_line_and_writes_nothing(
+    case, message, tmp_path, tiny_model_dir
+):
+    """The run directory is written only once the model, the data and the reward have loaded."""
+    rows = '{"prompt": "1+1", "solution": "2"}\n'
+    rows += '{"prompt": "2+2",\n' if case == "a malformed dataset" else rows
+    (tmp_path / "train.jsonl").write_text(rows)
+    (tmp_path / "empty").mkdir()
+    model = str(tmp_path / "empty") if case == "a directory without a model" else tiny_model_dir
+    argv = ["--model", model, "--dataset", str(tmp_path / "train.jsonl"), "--backend", "hf"]
+    argv += ["--out", str(tmp_path / "runs"), "--name", "x", "--steps", "1"]
+    argv += ["--problem-key", "question"] if case == "a wrong --problem-key" else []
+    with pytest.raises((SystemExit, cli.UsageError)) as ended:
+        sage.main(argv)
+    text = str(ended.value)
+    assert message in text and "\n" not in text and "internet" not in text
+    assert not (tmp_path / "runs").exists()

@@ -569,7 +569,9 @@ def test_one_step_under_accelerate_launch_with_two_cpu_processes(
 ):
     # `accelerate launch --cpu --num_processes 2` starts ONE process (accelerate's --cpu launcher is
     # single-process unless mpirun is used); --multi_gpu starts two through torchrun, and on a
-    # machine without CUDA, use_cpu=True makes them a MULTI_CPU group on gloo.
+    # machine without CUDA, use_cpu=True makes them a MULTI_CPU group on gloo. On a GPU node the
+    # GPUs are hidden from both processes, so they stay CPU processes on gloo there too (two NCCL
+    # ranks on one GPU would fail).
     launch = [
         sys.executable,
         "-W",
@@ -611,7 +613,7 @@ def test_one_step_under_accelerate_launch_with_two_cpu_processes(
         capture_output=True,
         text=True,
         cwd=REPO,
-        env=subprocess_env(),
+        env={**subprocess_env(), "CUDA_VISIBLE_DEVICES": ""},
         timeout=600,
     )
     check_run(result, tmp_path / "run", steps=1)

@@ -1,0 +1,510 @@
+"""The GPU memory of a run, forecast before anything loads (``sage.py --plan-memory``).
+
+Only the model's config.json is read. The trainer's update is simulated: the model is built on
+PyTorch's meta device (shapes and dtypes, no values), wrapped as sage.py wraps it (LoRA or every
+weight trained, gradient checkpointing), and one step of ``sage.held_fixed_logps`` and
+``sage.update_policy`` runs on a batch of the step's shape with every prompt and completion at
+full length (the worst case). A dispatch mode adds each new storage an op returns and a finalizer
+removes it when the storage is freed, so the running total follows what CUDA's
+``max_memory_allocated`` counts. Attention is charged as CUDA's fused kernel holds it (output and
+log-sum-exp, never the [B, H, L, L] scores) and the log-prob pass takes CUDA's chunk size. Meta
+tensors hold no values, so a value the step reads answers as a healthy step would: a number
+reads 1, a check passes, and a boolean mask keeps every element.
+
+The step simulated is the steady state: AdamW's moments exist (a step after the first). Its
+first two micro-batches run (the later ones repeat the second's allocations; the few MB of
+held-fixed per-token values of the others are left out). Beside it:
+
+* the engine: its bf16 weights, vLLM's working memory and the KV cache of one step's sequences
+  at full length, claimed as its share of the card (``engine_checks.cuda_memory_share``);
+* the run's peak: the engine sleeps during the update (level 2), so the peak is the larger of
+  the update's and the trainer's resident weights beside the awake engine.
+
+Error: allocator rounding, fragmentation and CUDA workspaces (cuBLAS, the CUDA context) are not
+counted; 5% of the card is kept free for them (``engine_checks.GPU_HEADROOM``). A card of N GB
+is N x 10^9 bytes (an "80 GB" H100 holds 85 x 10^9: the verdict errs on the safe side).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import glob
+import json
+import os
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CARDS_GB = (24, 40, 48, 80, 141)
+DEFAULT_CARD_GB = 80
+UNCOUNTED = "allocator rounding, fragmentation and CUDA workspaces are not counted"
+
+
+@dataclasses.dataclass
+class PlanConfig:
+    """The memory plan's knobs (flags of sage.py)."""
+
+    plan_memory: bool = False
+    """Print the run's GPU memory forecast from the model's config.json (no weights load) and
+    one JSON line, then exit."""
+    gpu_gb: float = 0.0
+    """The card --plan-memory judges, in GB (24, 40, 48, 80, 141; 0: this GPU, else 80)."""
+
+
+class LiveStorages(TorchDispatchMode):
+    """The bytes of the storages alive on one device type, and their peak, as ops create them.
+
+    On the meta device it also answers the reads of values a meta tensor does not hold."""
+
+    FALSE_ANSWERS = ("any", "eq")  # "is anything bad?" and "are these equal?" read False
+
+    def __init__(self, device_type: str):
+        super().__init__()
+        self.device_type = device_type
+        self.sizes: dict[int, int] = {}  # storage address -> bytes
+        self.total = self.peak = 0
+        self.peak_op = ""
+        self.false_storages: set[int] = set()
+
+    def add(self, tensor: torch.Tensor, op: str = "") -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self.sizes:  # a view, or a storage already counted
+            return
+        self.sizes[key] = storage.nbytes()
+        self.total += storage.nbytes()
+        weakref.finalize(storage, self._freed, key)
+        if self.total > self.peak:
+            self.peak, self.peak_op = self.total, op
+
+    def _freed(self, key: int) -> None:
+        self.total -= self.sizes.pop(key, 0)
+        self.false_storages.discard(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        on_meta = self.device_type == "meta"
+        if on_meta and func is torch.ops.aten._local_scalar_dense.default:  # .item(), bool()
+            tensor = args[0]
+            if tensor.dtype == torch.bool:
+                return tensor.untyped_storage()._cdata not in self.false_storages
+            return 1.0 if tensor.is_floating_point() else 1
+        if on_meta and func is torch.ops.aten.nonzero.default:  # a mask that keeps everything
+            tensor = args[0]
+            indices = torch.empty(tensor.numel(), tensor.dim(), dtype=torch.long, device="meta")
+            self.add(indices, func.name())
+            return indices
+        out = func(*args, **kwargs)
+        if on_meta and func.name().split("::")[-1].split(".")[0] in self.FALSE_ANSWERS:
+            self.false_storages.add(out.untyped_storage()._cdata)
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == self.device_type:
+                self.add(leaf, func.name())
+        return out
+
+
+def _meta_tolist(original):
+    def tolist(tensor):
+        if tensor.device.type != "meta":
+            return original(tensor)
+        if tensor.dim() == 0:
+            return 1.0 if tensor.is_floating_point() else 1
+        return [tolist(row) for row in tensor]
+
+    return tolist
+
+
+def _fused_attention(original):
+    """F.scaled_dot_product_attention as CUDA's fused memory-efficient kernel holds it: the
+    output and its log-sum-exp, never the scores (the meta device would take the math path)."""
+
+    def attention(
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+    ):
+        if query.device.type != "meta":
+            return original(
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
+        if key.shape[1] != query.shape[1]:  # grouped-query attention: the kernel repeats heads
+            repeats = query.shape[1] // key.shape[1]
+            key = key.repeat_interleave(repeats, dim=1)
+            value = value.repeat_interleave(repeats, dim=1)
+        bias = attn_mask
+        if attn_mask is not None and attn_mask.dtype != query.dtype:  # a boolean mask -> a bias
+            bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device="meta")
+        output, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, bias, True, dropout_p, is_causal, scale=scale
+        )
+        return output
+
+    return attention
+
+
+@contextlib.contextmanager
+def cuda_kernels_on_meta():
+    """While it lasts, meta tensors run as the CUDA step does: the fused attention kernel, CUDA's
+    chunk of the log-prob pass, and healthy answers to the reads of values."""
+    import torch.fx.experimental._config as fx_config
+
+    from machinery import fast_logprobs
+
+    chunk_rows = fast_logprobs.default_chunk_rows
+
+    def cuda_chunk_rows(vocab, device):
+        cuda = torch.device(device).type == "meta"
+        return chunk_rows(vocab, torch.device("cuda") if cuda else device)
+
+    saved = (
+        torch.nn.functional.scaled_dot_product_attention,
+        torch.Tensor.tolist,
+        fx_config.meta_nonzero_assume_all_nonzero,
+    )
+    torch.nn.functional.scaled_dot_product_attention = _fused_attention(saved[0])
+    torch.Tensor.tolist = _meta_tolist(saved[1])
+    fx_config.meta_nonzero_assume_all_nonzero = True
+    fast_logprobs.default_chunk_rows = cuda_chunk_rows
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention, torch.Tensor.tolist = saved[:2]
+        fx_config.meta_nonzero_assume_all_nonzero = saved[2]
+        fast_logprobs.default_chunk_rows = chunk_rows
+
+
+def read_model_config(model: str):
+    """The model's config.json (a local directory or a hub name; no weights are read)."""
+    from transformers import AutoConfig
+
+    from machinery.data import first_line
+
+    try:
+        return AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as error:
+        raise SystemExit(
+            f"error: cannot read the config.json of --model {model!r} ({first_line(error)}): "
+            "pass a model directory or a hub name"
+        ) from None
+
+
+def step_rollouts(config, vocab: int, count: int, sage):
+    """``count`` rollouts of the step, prompt-major (G completions share each prompt), every
+    prompt --max-prompt-len and every completion the whole budget long."""
+    completion_len = config.max_seq_len - config.max_prompt_len
+    prompts, completions = [], []
+    for row in range(count):
+        first = 10 + (row // config.rollouts) * 7
+        prompts.append([(first + i) % vocab for i in range(config.max_prompt_len)])
+        completions.append([(first + 3 * row + i) % vocab for i in range(completion_len)])
+    return sage.Rollouts(
+        prompt_ids=prompts,
+        completion_ids=completions,
+        texts=[""] * count,
+        finish_reasons=["length"] * count,
+        engine_logps=[[0.0] * completion_len for _ in range(count)],
+        problems=[""] * count,
+        answers=[""] * count,
+    )
+
+
+def simulate_update(model_config, config, dtype: torch.dtype, sage, device: str = "meta") -> dict:
+    """Bytes of one steady-state update step counted storage by storage: ``weights`` (the
+    trainer's model, adapters and reference), ``resident`` (with AdamW's moments: what stays
+    between steps), ``peak`` and the op at the peak. On ``meta``, simulated; on ``cpu``, a real
+    step of a small model (the simulation's check)."""
+    from transformers import AutoModelForCausalLM
+
+    import loss
+    from machinery import models
+
+    with contextlib.ExitStack() as stack:
+        if device == "meta":
+            stack.enter_context(cuda_kernels_on_meta())
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa")
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if config.gradient_checkpointing:
+            models.enable_gradient_checkpointing(model)
+        policy, reference = models.make_policy(
+            model,
+            full_finetune=config.full_finetune,
+            lora_rank=config.lora_rank,
+            lora_alpha=config.lora_alpha,
+            with_reference=sage.needs_reference(config),
+        )
+        optimizer, _ = models.make_optimizer(policy, config.lr, config.weight_decay, 10, 1)
+        trained = [p for p in policy.parameters() if p.requires_grad]
+        for parameter in trained:  # a step after the first: AdamW's moments exist
+            parameter.grad = torch.zeros_like(parameter)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        counter = LiveStorages(device)
+        held_models = [policy] + ([reference] if reference is not None else [])
+        for tensor in (t for m in held_models for t in [*m.parameters(), *m.buffers()]):
+            counter.add(tensor, "weights")
+        weights = counter.total
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.device.type == device:
+                    counter.add(value, "AdamW state")
+        resident = counter.total
+        sequences = config.prompts_per_step * config.rollouts
+        count = min(sequences, 2 * config.micro_batch_size)  # the peak comes by the second
+        rollouts = step_rollouts(config, model_config.get_text_config().vocab_size, count, sage)
+        rewards = torch.arange(sequences, dtype=torch.float32) % 2
+        advantages = loss.compute_advantages(rewards, config.rollouts, config.loss.advantage)
+        generator = torch.Generator().manual_seed(0)
+        with counter:
+            batches = sage.micro_batches(rollouts, config, pad_id=0, device=device)
+            held = [
+                sage.held_fixed_logps(
+                    policy, reference, batch=batch, config=config, step=0, generator=generator
+                )
+                for _, batch in batches
+            ]
+            sage.update_policy(
+                policy,
+                optimizer,
+                batches=batches,
+                held=held,
+                advantages=advantages,
+                config=config,
+                step=0,
+                generator=generator,
+            )
+        return {
+            "weights": weights,
+            "resident": resident,
+            "peak": counter.peak,
+            "peak_op": counter.peak_op,
+        }
+
+
+def trainer_dtype(config, device_type: str) -> torch.dtype:
+    """The trainer's dtype on that device (``models.device_and_dtype``): bf16 on CUDA, float32
+    when every weight is trained there, float32 on the CPU."""
+    if device_type != "cuda":
+        return torch.float32
+    return torch.float32 if config.full_finetune else torch.bfloat16
+
+
+def engine_share(model_config, config, card_bytes: int) -> tuple[dict, str]:
+    """The engine's bytes (weights, working memory, one step's KV cache at full length), the
+    share of the card it claims, and the reason it cannot have one ("" when it can)."""
+    import rollout
+    from machinery import engine_checks
+
+    if config.backend != "vllm":  # the HF backend samples from the trainer's own model
+        return {"weights": 0, "working": 0, "kv_cache": 0, "share": 0.0}, ""
+    text = model_config.get_text_config()
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    limits = rollout.engine_limits(
+        prompts_per_call=config.prompts_per_step,
+        n=config.rollouts,
+        max_prompt_len=config.max_prompt_len,
+        max_model_len=config.max_seq_len,
+    )
+    kv_cache = limits["max_num_seqs"] * config.max_seq_len * 2 * text.num_hidden_layers
+    kv_cache *= kv_heads * head_size * 2  # K and V, bf16
+    weights = 2 * engine_checks.parameter_count(model_config)
+    requested = config.gpu_memory_utilization or None
+    try:
+        share = engine_checks.cuda_memory_share(
+            model_config, config.max_seq_len, limits["max_num_seqs"], requested, card_bytes
+        )
+        reason = ""
+    except engine_checks.CheckError as error:
+        share, reason = None, str(error)
+    engine = {
+        "weights": weights,
+        "working": engine_checks.ENGINE_OVERHEAD_BYTES,
+        "kv_cache": kv_cache,
+        "share": share,
+    }
+    return engine, reason
+
+
+def largest_fitting_micro_batch(model_config, config, dtype, usable: int, sage) -> int:
+    """The largest power of two (up to the step's sequences) whose update peak fits in
+    ``usable`` bytes, by bisection (the peak grows with the micro-batch); 0 if none does."""
+    sequences = config.prompts_per_step * config.rollouts
+    sizes = [2**i for i in range(sequences.bit_length()) if 2**i <= sequences]
+    low, high, best = 0, len(sizes) - 1, 0
+    while low <= high:
+        middle = (low + high) // 2
+        trial = dataclasses.replace(config, micro_batch_size=sizes[middle])
+        if simulate_update(model_config, trial, dtype, sage)["peak"] <= usable:
+            best, low = sizes[middle], middle + 1
+        else:
+            high = middle - 1
+    return best
+
+
+def plan(config, card_bytes: int, sage, search: bool = True) -> dict:
+    """The forecast of a run on a card of ``card_bytes``: the update's peak, the engine's share,
+    the run's peak, the verdict, and (``search``) the largest micro-batch that fits."""
+    from machinery import engine_checks
+
+    model_config = read_model_config(config.model)
+    dtype = trainer_dtype(config, "cuda")
+    update = simulate_update(model_config, config, dtype, sage)
+    engine, engine_reason = engine_share(model_config, config, card_bytes)
+    usable = int((1 - engine_checks.GPU_HEADROOM) * card_bytes)
+    awake = update["resident"] + (engine["share"] or 0.0) * card_bytes
+    run_peak = max(update["peak"], awake)
+    fits = not engine_reason and run_peak <= usable
+    largest = None
+    if search:
+        largest = largest_fitting_micro_batch(model_config, config, dtype, usable, sage)
+    gigabytes = functools.partial(round, ndigits=2)
+    return {
+        "model": config.model,
+        "gpu_gb": gigabytes(card_bytes / 1e9),
+        "fits": fits,
+        "update_peak_gb": gigabytes(update["peak"] / 1e9),
+        "update_peak_op": update["peak_op"],
+        "trainer_weights_gb": gigabytes(update["weights"] / 1e9),
+        "trainer_resident_gb": gigabytes(update["resident"] / 1e9),
+        "engine_weights_gb": gigabytes(engine["weights"] / 1e9),
+        "engine_kv_cache_gb": gigabytes(engine["kv_cache"] / 1e9),
+        "engine_needs_gb": gigabytes(
+            sum(engine[k] for k in ("weights", "working", "kv_cache")) / 1e9
+        ),
+        "engine_share": engine["share"] and round(engine["share"], 2),
+        "run_peak_gb": gigabytes(run_peak / 1e9),
+        "usable_gb": gigabytes(usable / 1e9),
+        "largest_micro_batch": largest,
+        "engine_problem": engine_reason or None,
+        "dtype": str(dtype).removeprefix("torch."),
+        "micro_batch_size": config.micro_batch_size,
+        "max_seq_len": config.max_seq_len,
+        "max_prompt_len": config.max_prompt_len,
+        "sequences_per_step": config.prompts_per_step * config.rollouts,
+        "lora_rank": None if config.full_finetune else config.lora_rank,
+        "gradient_checkpointing": config.gradient_checkpointing,
+        "not_counted": UNCOUNTED,
+    }
+
+
+def nvidia_gpu_visible() -> bool:
+    """An NVIDIA GPU's device file is there (its driver is loaded), unless CUDA_VISIBLE_DEVICES
+    hides every GPU on purpose."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def check_torch_build() -> None:
+    """A CPU build of torch on a machine with an NVIDIA GPU (a .venv made on a CPU login node)
+    would train a 7B on the CPU in float32 without a word: refuse it."""
+    if torch.version.cuda is None and nvidia_gpu_visible():
+        raise SystemExit(
+            f"error: torch {torch.__version__} is a CPU build but this machine has an NVIDIA GPU "
+            "(the run would train on the CPU in float32): run `make clean install` on this node"
+        )
+
+
+def plan_device() -> str:
+    """Where the run will train: "cuda" or "cpu" (the plan and its refusal act on CUDA only)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def card_bytes_of(gpu_gb: float) -> int:
+    """--gpu-gb in bytes; 0: the visible GPU's memory, else an 80 GB card."""
+    if gpu_gb:
+        return int(gpu_gb * 1e9)
+    if plan_device() == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory
+    return int(DEFAULT_CARD_GB * 1e9)
+
+
+def fix_for(result: dict, config) -> str:
+    """The flag to change when a run does not fit."""
+    if result["engine_problem"]:
+        return result["engine_problem"]
+    largest = result["largest_micro_batch"]
+    if largest:
+        return f"pass --micro-batch-size {largest}"
+    if not config.gradient_checkpointing:
+        return "keep --gradient-checkpointing on, or lower --max-seq-len"
+    if config.full_finetune:
+        return "drop --full-finetune (LoRA, the paper's setting), or lower --max-seq-len"
+    return "lower --max-seq-len"
+
+
+def verdict(result: dict, config) -> str:
+    peak, usable, card = result["run_peak_gb"], result["usable_gb"], result["gpu_gb"]
+    if result["fits"]:
+        return (
+            f"fits a {card:g} GB card: peak {peak:.1f} GB of the {usable:.1f} GB usable; "
+            f"the largest micro-batch that fits is {result['largest_micro_batch']}"
+        )
+    return (
+        f"does not fit a {card:g} GB card (peak {peak:.1f} GB, {usable:.1f} GB usable): "
+        f"{fix_for(result, config)}"
+    )
+
+
+def print_report(result: dict, config) -> None:
+    """The forecast for people, then one JSON line."""
+    share = result["engine_share"]
+    lines = [
+        f"memory plan of {result['model']} ({result['dtype']}, micro-batch "
+        f"{result['micro_batch_size']}, {result['sequences_per_step']} sequences of "
+        f"{result['max_seq_len']} tokens, simulated on the meta device; {UNCOUNTED}):",
+        f"  trainer, resident     {result['trainer_resident_gb']:7.2f} GB (weights "
+        f"{result['trainer_weights_gb']:.2f} GB, adapters and AdamW states)",
+        f"  trainer, update peak  {result['update_peak_gb']:7.2f} GB (the engine asleep)",
+        f"  engine                {result['engine_needs_gb']:7.2f} GB (weights "
+        f"{result['engine_weights_gb']:.2f} GB, KV cache {result['engine_kv_cache_gb']:.2f} GB "
+        f"for one step), given {'no share' if share is None else f'{share:.2f} of the card'}",
+        f"  run peak              {result['run_peak_gb']:7.2f} GB",
+        f"verdict: {verdict(result, config)}",
+    ]
+    print("\n".join(lines))
+    print(json.dumps(result))
+
+
+def before_loading(config, sage) -> None:
+    """Before anything loads: a CPU torch beside an NVIDIA GPU is refused; --plan-memory prints
+    the plan and ends the program; on CUDA a run that cannot fit is refused with one line naming
+    the flag to change (a run that fits says nothing)."""
+    check_torch_build()
+    settings = config.extras["memory"]
+    if settings.gpu_gb < 0:
+        raise SystemExit(f"error: --gpu-gb {settings.gpu_gb}: pass the card's memory in GB, > 0")
+    if settings.plan_memory:
+        result = plan(config, card_bytes_of(settings.gpu_gb), sage)
+        print_report(result, config)
+        raise SystemExit(0)
+    if plan_device() != "cuda":
+        return
+    result = plan(config, card_bytes_of(settings.gpu_gb), sage, search=False)
+    if result["fits"]:
+        return
+    if not result["engine_problem"]:  # would a smaller micro-batch fit?
+        result = plan(config, card_bytes_of(settings.gpu_gb), sage)
+    raise SystemExit(f"error: the run {verdict(result, config)}")

@@ -1,0 +1,144 @@
+"""The memory plan (machinery/memory_plan.py): its simulated update agrees with a real CPU step
+counted the same way, --plan-memory prints a verdict and a JSON line from config.json alone, a
+CUDA run that cannot fit is refused before the model loads, and a CPU torch beside an NVIDIA GPU
+is refused."""
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import Qwen2Config
+
+import sage
+from machinery import memory_plan
+
+TINY_SHAPE = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
+SEVEN_B_SHAPE = dict(  # Qwen2.5-Math-7B
+    hidden_size=3584,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    intermediate_size=18944,
+    vocab_size=152064,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+TINY_RUN = ["--prompts-per-step", "2", "--rollouts", "4", "--max-seq-len", "160"]
+TINY_RUN += ["--max-prompt-len", "32"]
+
+
+@pytest.fixture(scope="module")
+def tiny_config_dir(tmp_path_factory):
+    """A directory that holds only a tiny Qwen2's config.json (no weights, no tokenizer)."""
+    folder = tmp_path_factory.mktemp("tiny_config")
+    Qwen2Config(**TINY_SHAPE).save_pretrained(folder)
+    return str(folder)
+
+
+def run_config(**overrides):
+    settings = dict(model="tiny", prompts_per_step=2, rollouts=4, max_seq_len=160)
+    return sage.Config(**{**settings, "max_prompt_len": 32, "steps": 10, **overrides})
+
+
+@pytest.mark.slow
+def test_the_simulated_update_peak_is_a_real_cpu_steps_within_5_percent():
+    """The same step, once on the meta device (no values) and once for real on the CPU, both
+    counted storage by storage: the simulation's peak is the real one within 5% (the
+    activations, not the weights, make most of it)."""
+    model_config, config = Qwen2Config(**TINY_SHAPE), run_config(micro_batch_size=4)
+    simulated = memory_plan.simulate_update(model_config, config, torch.float32, sage, "meta")
+    real = memory_plan.simulate_update(model_config, config, torch.float32, sage, "cpu")
+    assert simulated["weights"] == real["weights"]
+    assert simulated["peak"] == pytest.approx(real["peak"], rel=0.05)
+    assert real["peak"] > 5 * real["weights"]
+
+
+def test_plan_memory_prints_a_verdict_and_a_json_line_and_writes_nothing(
+    tiny_config_dir, tmp_path, capsys
+):
+    argv = ["--model", tiny_config_dir, "--plan-memory", "--gpu-gb", "48", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as ended:
+        sage.main([*argv, *TINY_RUN])
+    assert ended.value.code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    plan = json.loads(lines[-1])
+    assert lines[-2].startswith("verdict: fits a 48 GB card")
+    assert plan["fits"] and plan["gpu_gb"] == 48 and plan["largest_micro_batch"] == 8
+    assert plan["update_peak_gb"] <= plan["run_peak_gb"] <= plan["usable_gb"]
+    assert plan["engine_share"] >= 0.3 and "not counted" in plan["not_counted"]
+    assert os.listdir(tmp_path) == []  # no run directory
+
+
+@pytest.mark.slow
+def test_the_plan_of_the_7b_step_is_the_simulated_20_1_gb_of_docs_gpu(tmp_path):
+    """docs/gpu.md's meta-device figure for the 256 + 1,536-token step at micro-batch 4."""
+    Qwen2Config(**SEVEN_B_SHAPE).save_pretrained(tmp_path)
+    config = sage.Config(model=str(tmp_path), max_seq_len=1792, max_prompt_len=256)
+    config.extras["memory"] = memory_plan.PlanConfig()
+    plan = memory_plan.plan(config, card_bytes=48 * 10**9, sage=sage, search=False)
+    assert plan["update_peak_gb"] == pytest.approx(20.1, rel=0.05)
+    assert plan["trainer_weights_gb"] == pytest.approx(15.3, abs=0.1) and plan["fits"]
+
+
+def test_a_cuda_run_that_cannot_fit_is_refused_before_the_model_loads(
+    tiny_config_dir, tmp_path, monkeypatch
+):
+    """Forced onto the plan's CUDA path on a card its update peak exceeds at micro-batch 4 but
+    not at 1 (the HF backend: no engine beside it): one line naming --micro-batch-size."""
+    config = run_config(model=tiny_config_dir, backend="hf")
+    peaks = {}
+    for micro_batch in (1, 4):
+        trial = run_config(model=tiny_config_dir, backend="hf", micro_batch_size=micro_batch)
+        model_config = memory_plan.read_model_config(tiny_config_dir)
+        dtype = memory_plan.trainer_dtype(config, "cuda")
+        peaks[micro_batch] = memory_plan.simulate_update(model_config, trial, dtype, sage)["peak"]
+    card_gb = (peaks[1] + peaks[4]) / 2 / 0.95 / 1e9
+    monkeypatch.setattr(memory_plan, "plan_device", lambda: "cuda")
+
+    def load_policy(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(sage, "load_policy", load_policy)
+    argv = ["--model", tiny_config_dir, "--backend", "hf", "--gpu-gb", str(card_gb)]
+    with pytest.raises(SystemExit) as refused:
+        sage.main([*argv, *TINY_RUN, "--out", str(tmp_path)])
+    message = str(refused.value)
+    assert message.startswith("error: the run does not fit a") and "\n" not in message
+    assert message.endswith("pass --micro-batch-size 2") or message.endswith("size 1")
+    assert os.listdir(tmp_path) == []
+    # The same run on a card it fits says nothing and goes on.
+    fits = run_config(model=tiny_config_dir, backend="hf")
+    fits.extras["memory"] = memory_plan.PlanConfig(gpu_gb=card_gb * 10)
+    assert memory_plan.before_loading(fits, sage) is None
+
+
+def test_the_engine_share_that_cannot_fit_names_its_flags(tiny_config_dir, monkeypatch):
+    config = run_config(model=tiny_config_dir)
+    config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=2)  # the engine alone needs > 2 GB
+    monkeypatch.setattr(memory_plan, "plan_device", lambda: "cuda")
+    with pytest.raises(SystemExit, match="lower --rollouts, --prompts-per-step or --max-seq-len"):
+        memory_plan.before_loading(config, sage)
+
+
+def test_a_cpu_torch_beside_an_nvidia_gpu_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(memory_plan, "nvidia_gpu_visible", lambda: True)
+    with pytest.raises(SystemExit, match=r"CPU build .* NVIDIA GPU .*make clean install"):
+        memory_plan.check_torch_build()
+    monkeypatch.setattr(memory_plan, "nvidia_gpu_visible", lambda: False)
+    memory_plan.check_torch_build()  # a CPU machine: nothing to say
+
+
+def test_hiding_every_gpu_on_purpose_is_no_visible_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not memory_plan.nvidia_gpu_visible()
