@@ -331,19 +331,19 @@ def parse_args(argv: list[str] | None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add = parser.add_argument
     add("--out", default="runs/study", help="directory of the study (resumable)")
-    add("--seeds", type=int, default=5, help="training seeds (the unit of evidence)")
-    add("--seed", type=int, default=3407, help="the first seed; then +1, +2, ...")
+    add("--seeds", type=int, default=6, help="training seeds (the unit of evidence)")
+    add("--seed", type=int, default=1000, help="the first seed; then +1, +2, ...")
     add("--steps", type=int, default=200, help="RL steps of each arm")
     add("--save-every", type=int, default=50, help="checkpoints (for resuming)")
-    add("--eval-samples", type=int, default=64, help="samples per held-out problem (pass@k)")
+    add("--eval-samples", type=int, default=32, help="samples per held-out problem (pass@k)")
     add("--arms", default=",".join(ARMS), help=f"which of {', '.join(ARMS)}")
     add("--arm", action="append", default=[], metavar="NAME='FLAGS'", help="an arm of your own")
     add("--flags", default="", help="sage.py flags for every arm (the regime), e.g. '--lr 1e-3'")
-    add("--jobs", type=int, default=1, help="seeds trained at once, the CPU's threads split")
+    add("--jobs", type=int, default=2, help="seeds trained at once, the CPU's threads split")
     add("--demo-eval-problems", type=int, default=100, help="held-out problems")
     add("--demo-sft-examples", type=int, default=2400, help="SFT examples of each seed's start")
     add("--demo-sft-noise", type=float, default=0.2, help="SFT: wrong easy sums (fraction)")
-    add("--demo-hard-noise", type=float, default=0.9, help="SFT: hard sums without the carry")
+    add("--demo-hard-noise", type=float, default=0.97, help="SFT: hard sums without the carry")
     add("--sft-epochs", type=int, default=2, help="SFT epochs of each seed's start")
     args = parser.parse_args(argv)
     arms = {}
@@ -394,11 +394,12 @@ def main(argv: list[str] | None = None) -> dict:
     args, arms = parse_args(argv)
     out, started = os.path.abspath(args.out), time.time()
     seeds = [args.seed + i for i in range(args.seeds)]
-    threads = max(1, (os.cpu_count() or 1) // args.jobs)  # each job's share of the cores
+    jobs = min(args.jobs, len(seeds))
+    threads = max(1, (os.cpu_count() or 1) // jobs)  # each job's share of the cores
     THREADS.update(OMP_NUM_THREADS=str(threads))
     per_seed: dict[str, dict[str, dict]] = {}
     with tqdm(total=len(seeds) * (1 + len(arms)), desc="study", unit="arm") as progress:
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
             futures = {
                 seed: pool.submit(run_seed, seed, arms, args, out, progress) for seed in seeds
             }

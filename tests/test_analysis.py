@@ -200,7 +200,14 @@ def test_plot_of_a_run_directory_draws_its_training_curves_and_evaluations(tmp_p
     write_jsonl(
         run / "eval.jsonl",
         [
-            {"step": s, "benchmark": "demo", "n": 8, "pass@1": 0.3 + s / 10, "pass@8": 0.9}
+            {
+                "step": s,
+                "benchmark": "demo",
+                "n": 8,
+                "pass@1": 0.3 + s / 10,
+                "pass@8": 0.9,
+                "support": {"hard": {"mean_logp_full": -9.0 + s, "supp@0.01": s / 10}},
+            }
             for s in (0, 2, 4)
         ],
     )
@@ -216,10 +223,15 @@ def test_plot_of_a_run_directory_draws_its_training_curves_and_evaluations(tmp_p
         "guide q",
         "response length (tokens)",
         "pass@k (--eval-every)",
+        "support probe: mean log pi(y*)",
+        "support probe: supp_0.01, P(pi(y*) >= 0.01)",
     ]
     evaluation_lines = figures[0].axes[5].get_lines()
     assert [line.get_label() for line in evaluation_lines] == ["demo pass@1", "demo pass@8"]
     assert list(evaluation_lines[0].get_xdata()) == [0, 2, 4]
+    (logp_line,) = figures[0].axes[6].get_lines()  # the support probe of the hard problems
+    assert logp_line.get_label() == "demo hard" and list(logp_line.get_ydata()) == [-9, -7, -5]
+    assert list(figures[0].axes[7].get_lines()[0].get_ydata()) == [0.0, 0.2, 0.4]
     with pytest.raises(analysis.AnalysisError, match="no metrics.jsonl"):
         analysis.plot_run([str(tmp_path)], "unused.png")
 
