@@ -145,7 +145,6 @@ def check_config(config, presets: dict, error) -> None:
     guide, kl, beta = config.guide.name, config.loss.kl, config.loss.beta
     extras = config.extras or {}
     sft, refill = extras.get("sft"), extras.get("dynamic_sampling")
-    memory = extras.get("memory")
     budget = config.max_seq_len - config.max_prompt_len
     checks = [
         (
