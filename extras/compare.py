@@ -282,41 +282,64 @@ def format_table(summary: dict, measures: list[str], part: str = "pass_at_k") ->
 
 
 def plot(summary: dict, out: str) -> None:
-    """Top: pass@k against k; bottom: the hard problems' supp_delta against delta (the support
-    probe). Left: each arm's mean with its 95% band over seeds; right: each arm minus GRPO,
-    paired by seed, with its band (zero is no difference)."""
+    """Top: pass@k against k, each arm's mean with its 95% band over seeds (left) and each arm
+    minus GRPO, paired by seed (right). Bottom: the support probe's mean log pi(y*) on the hard
+    and the easy problems, the same two ways, one point per arm with its 95% interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    deltas = [float(key.split("@")[1]) for key in PROBE if key.startswith("supp@")]
-    rows = [
-        ("pass@k", [f"pass@{k}" for k in (1, 2, 4, 8, 16, 32, 64, 128, 256)], "k"),
-        ("hard sums' supp_delta", [f"hard/supp@{delta:g}" for delta in deltas], "delta"),
-    ]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for (title, measures, x_label), (left, right) in zip(rows, axes):
-        for index, (arm, entry) in enumerate(summary.items()):
-            values = {**entry["pass_at_k"], **entry["support"]}
-            for axis, source in ((left, values), (right, entry.get("minus_grpo", {}))):
-                shown = [m for m in measures if source.get(m, {}).get("mean") is not None]
-                if not shown:
+    fig, ((left, right), (low_left, low_right)) = plt.subplots(2, 2, figsize=(11, 7.5))
+    passes = [f"pass@{k}" for k in (1, 2, 4, 8, 16, 32, 64, 128, 256)]
+    for index, (arm, entry) in enumerate(summary.items()):
+        for axis, source in ((left, entry["pass_at_k"]), (right, entry.get("minus_grpo", {}))):
+            shown = [m for m in passes if source.get(m, {}).get("mean") is not None]
+            if not shown:
+                continue
+            ks = [int(m.split("@")[1]) for m in shown]
+            axis.plot(
+                ks,
+                [source[m]["mean"] for m in shown],
+                marker="o",
+                markersize=3,
+                label=arm,
+                color=f"C{index}",
+            )
+            if all(source[m]["low"] is not None for m in shown):
+                lows, highs = [source[m]["low"] for m in shown], [source[m]["high"] for m in shown]
+                axis.fill_between(ks, lows, highs, alpha=0.15, color=f"C{index}")
+        for axis, source in ((low_left, entry["support"]), (low_right, entry.get("minus_grpo"))):
+            for offset, group in ((-0.12, "hard"), (0.12, "easy")):
+                value = (source or {}).get(f"{group}/mean_logp_full", {})
+                if value.get("mean") is None:
                     continue
-                xs = [float(m.split("@")[1]) for m in shown]
-                means = [source[m]["mean"] for m in shown]
-                axis.plot(xs, means, marker="o", markersize=3, label=arm, color=f"C{index}")
-                if all(source[m]["low"] is not None for m in shown):
-                    lows = [source[m]["low"] for m in shown]
-                    highs = [source[m]["high"] for m in shown]
-                    axis.fill_between(xs, lows, highs, alpha=0.15, color=f"C{index}")
-        right.axhline(0.0, color="black", linewidth=0.8)
-        left.set_title(f"{title}, mean over seeds (95% band)", fontsize=10)
-        right.set_title(f"{title}: paired difference from {BASELINE}", fontsize=10)
-        for axis in (left, right):
-            axis.set_xscale("log", base=2 if x_label == "k" else 10)
-            axis.set_xlabel(x_label)
-    axes[0][0].legend(fontsize=8)
+                error = None  # asymmetric error bar: [[below], [above]]
+                if value["low"] is not None:
+                    error = [[value["mean"] - value["low"]], [value["high"] - value["mean"]]]
+                axis.errorbar(
+                    index + offset,
+                    value["mean"],
+                    yerr=error,
+                    capsize=3,
+                    marker="o" if group == "hard" else "s",
+                    color=f"C{index}",
+                )
+    arms = list(summary)
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("k")
+    for axis in (low_left, low_right):
+        axis.set_xticks(range(len(arms)), arms, rotation=20, fontsize=8)
+    for axis in (right, low_right):
+        axis.axhline(0.0, color="black", linewidth=0.8)
+    left.set_title("pass@k, mean over seeds (95% band)", fontsize=10)
+    right.set_title(f"pass@k: paired difference from {BASELINE}", fontsize=10)
+    low_left.set_title(
+        "mean log pi(y*), hard (o) and easy (s) problems (95% interval)", fontsize=10
+    )
+    low_right.set_title(f"mean log pi(y*): paired difference from {BASELINE}", fontsize=10)
+    left.legend(fontsize=8)
     fig.tight_layout()
     temporary = out + ".tmp.png"
     fig.savefig(temporary, dpi=120)
