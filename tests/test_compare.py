@@ -3,6 +3,7 @@
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -80,15 +81,13 @@ def test_arms_are_chosen_and_added_by_flag():
         compare.parse_args(["--arms", "nope"])
 
 
-TINY = ["--seeds", "2", "--steps", "6", "--save-every", "1", "--eval-samples", "4"]
-TINY += [
-    "--demo-eval-problems",
-    "12",
-    "--demo-sft-examples",
-    "32",
-    "--arms",
-    "grpo,branch_k1_return_ref",
-]
+# a tiny study: two seeds (each its own tiny SFT start), two arms of six steps
+TINY = shlex.split(
+    """
+    --seeds 2 --seed 3407 --steps 6 --save-every 1 --eval-samples 4
+    --demo-eval-problems 12 --demo-sft-examples 32 --arms grpo,branch_k1_return_ref
+    """
+)
 
 
 @pytest.mark.slow
