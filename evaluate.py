@@ -28,13 +28,22 @@ from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import loss
 import rollout
-from machinery import cli, flag_checks
+from machinery import cli, fast_logprobs, flag_checks
 from machinery import results as files
+from machinery.batches import collate
 from machinery.data import DataError, resolve_benchmarks
 from machinery.runs import write_json_atomic
-from machinery.task import build_prompt_ids, default_pool, grade_batch, grading_pool
+from machinery.task import (
+    build_prompt_ids,
+    default_pool,
+    grade_batch,
+    grading_pool,
+    sft_completion,
+)
 
 
 class EvalError(ValueError):
@@ -327,8 +336,6 @@ def reference_completion_ids(tokenizer, solution: str, answer: str) -> list[int]
     >>> tokenizer.decode(reference_completion_ids(tokenizer, "7+5=12", "12"))
     '<start_working_out>7+5=12<end_working_out><SOLUTION>12</SOLUTION><|im_end|>'
     """
-    from machinery.task import sft_completion
-
     text = sft_completion(solution, answer)
     return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
@@ -376,9 +383,6 @@ def reference_logps(
     as the sampler draws (``loss.token_logps_and_entropies``, the definition, with temperature
     and min-p), the same without min-p, the entropy H_t, and whether min-p keeps y*_t. No samples
     are drawn, so the numbers are exact, not estimates."""
-    import loss
-    from machinery.batches import collate
-
     was_training, device = model.training, next(model.parameters()).device
     model.eval()  # no dropout: the probe is deterministic
     results = []
@@ -386,15 +390,7 @@ def reference_logps(
         rows = slice(start, start + batch_size)
         batch = collate(prompts[rows], completions[rows], pad_id, device)
         completion_ids, mask = batch["completion_ids"], batch["completion_mask"]  # [B, C]
-        input_len = batch["input_ids"].shape[1]
-        predicting = torch.arange(input_len - completion_ids.shape[1] - 1, input_len - 1)  # [C]
-        logits = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=batch["position_ids"],
-            logits_to_keep=predicting.to(device),
-            use_cache=False,
-        ).logits  # [B, C, V]
+        logits = fast_logprobs.completion_logits(model, batch)  # [B, C, V]
         logps, entropies = loss.token_logps_and_entropies(
             logits, completion_ids, temperature, min_p
         )
@@ -451,8 +447,6 @@ def support_probe(
     """The support probe of a policy on the problems that have a reference solution: its
     ``support_summary`` with, per problem, log pi(y*|x) (None for -inf: outside the support),
     and the per-token ``ReferenceLogps``. None when no problem has a reference solution."""
-    from machinery.task import build_prompt_ids
-
     with_solution = [p for p in problems if p.solution]
     if not with_solution:
         return None
@@ -532,12 +526,8 @@ def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
 def probe_benchmarks(args: EvalArgs, benchmarks: dict, results: dict) -> None:
     """The support probe (section 3) of the model (its adapter merged) on each benchmark of
     {name: problems}, at the evaluation's temperature and min-p, into ``results``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from machinery.results import load_merged_model
-
     if args.adapter:
-        model = load_merged_model(args.model, args.adapter, args.dtype)
+        model = files.load_merged_model(args.model, args.adapter, args.dtype)
     else:
         dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
