@@ -174,8 +174,8 @@ class VLLMEngine:
         )
         starting = contextlib.nullcontext()
         if on_cuda:
-            with rollout_errors():  # the trainer's engine holds a whole step: refused if it can't
-                fraction = engine_checks.engine_share(
+            with rollout_errors():  # the trainer's engine holds as much of a step as fits
+                fraction, llm_kwargs = engine_checks.engine_share(
                     config,
                     max_model_len=self.max_model_len,
                     llm_kwargs=llm_kwargs,

@@ -260,14 +260,68 @@ def quiet_vllm() -> None:
 # and its adapters); the update's activations come while the engine sleeps.
 GPU_HEADROOM = 0.05  # CUDA context, fragmentation
 ENGINE_OVERHEAD_BYTES = 2 * 2**30  # vLLM's activations, sampler and CUDA graphs, beside its cache
+SHARE_MARGIN = 0.01  # the share claimed above what the engine's bytes need
+
+
+def kv_bytes_per_token(config) -> int:
+    """The KV cache of one token in bf16: K and V of every layer's key-value heads.
+
+    >>> from transformers import Qwen2Config  # Qwen2.5-Math-7B's shape: 56 KiB a token
+    >>> kv_bytes_per_token(Qwen2Config(hidden_size=3584, num_hidden_layers=28,
+    ...     num_attention_heads=28, num_key_value_heads=4)) // 1024
+    56
+    """
+    text = config.get_text_config()
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * kv_heads * head_size * 2
+
+
+def engine_sequences(
+    config, max_model_len: int, step_sequences: int, total_bytes: int, requested=None
+) -> int:
+    """How many of one step's ``step_sequences`` the engine holds at once on a GPU of
+    ``total_bytes``, each with ``max_model_len`` tokens of KV cache: all of them when they fit
+    beside the trainer's bf16 weights, else as many as fit. vLLM then samples the step in waves:
+    it queues the rest and starts one as soon as a running sequence ends, so no sequence is
+    preempted and recomputed. ``requested`` (--gpu-memory-utilization) or None: the engine's
+    share, else the most it may take. Raises a one-line CheckError when not one sequence fits.
+
+    >>> from transformers import Qwen2Config  # Qwen2.5-Math-7B's shape
+    >>> seven_b = Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+    ...     num_key_value_heads=4, intermediate_size=18944, vocab_size=152064)
+    >>> engine_sequences(seven_b, 2048, 64, 80 * 10**9)  # the paper's step: all at once
+    64
+    >>> engine_sequences(seven_b, 8192, 64, 48 * 10**9)  # R1-distill's on 48 GB: 3 waves
+    26
+    """
+    weights = 2 * parameter_count(config)  # the engine's bf16 copy; the trainer holds another
+    per_sequence = max_model_len * kv_bytes_per_token(config)
+    most = 1.0 - GPU_HEADROOM - weights / total_bytes - SHARE_MARGIN
+    share = most if requested is None else requested - SHARE_MARGIN
+    fit = int((share * total_bytes - weights - ENGINE_OVERHEAD_BYTES) // per_sequence)
+    if fit >= 1:
+        return min(step_sequences, fit)
+    one = (weights + ENGINE_OVERHEAD_BYTES + per_sequence) / total_bytes + SHARE_MARGIN
+    if requested is not None and one <= most + SHARE_MARGIN:
+        raise CheckError(
+            f"--gpu-memory-utilization {requested} leaves the engine no room for one sequence of "
+            f"{max_model_len} tokens beside its weights: pass {one:.2f} or more"
+        )
+    raise CheckError(
+        f"the engine's bf16 weights ({weights / 1e9:.1f} GB) and the KV cache of one sequence of "
+        f"{max_model_len} tokens do not fit beside the trainer's weights on this "
+        f"{total_bytes / 1e9:.0f} GB GPU: lower --max-seq-len, use a larger GPU, or pass "
+        "--backend hf (it samples with the trainer's own model)"
+    )
 
 
 def cuda_memory_share(config, max_model_len: int, max_num_seqs: int, requested, total_bytes: int):
-    """The engine's share of a GPU of ``total_bytes`` that holds one step's ``max_num_seqs``
-    sequences of ``max_model_len`` tokens in its KV cache at once (else vLLM preempts and
-    recomputes them every step). ``requested`` (--gpu-memory-utilization) or None: the default
-    0.3, raised as far as the step needs. Raises a one-line CheckError naming the share that
-    would fit when the requested one is too small, or when nothing fits beside the trainer.
+    """The engine's share of a GPU of ``total_bytes`` that holds ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens in its KV cache at once (``engine_sequences`` says how many).
+    ``requested`` (--gpu-memory-utilization) or None: the default 0.3, raised as far as the
+    sequences need. Raises a one-line CheckError naming the share that would fit when the
+    requested one is too small, or when nothing fits beside the trainer.
 
     >>> from transformers import Qwen2Config  # Qwen2.5-Math-7B's shape, an 80 GB GPU
     >>> seven_b = Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
@@ -277,20 +331,16 @@ def cuda_memory_share(config, max_model_len: int, max_num_seqs: int, requested, 
     >>> round(cuda_memory_share(seven_b, 8192, 64, None, 80 * 10**9), 2)  # R1-distill's
     0.6
     """
-    text = config.get_text_config()
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    per_token = 2 * text.num_hidden_layers * kv_heads * head_size * 2  # K and V, bf16
-    kv_bytes = max_num_seqs * max_model_len * per_token
+    kv_bytes = max_num_seqs * max_model_len * kv_bytes_per_token(config)
     weights = 2 * parameter_count(config)  # the engine's bf16 copy; the trainer holds another
     needed = (weights + ENGINE_OVERHEAD_BYTES + kv_bytes) / total_bytes
     most = 1.0 - GPU_HEADROOM - weights / total_bytes
-    step = f"one step's {max_num_seqs} sequences of {max_model_len} tokens"
+    step = f"{max_num_seqs} sequences of {max_model_len} tokens"
     if requested is not None and requested < needed:
         raise CheckError(
             f"--gpu-memory-utilization {requested} is too small for {step} "
-            f"({kv_bytes / 2**30:.1f} GiB of KV cache): pass {min(needed + 0.01, most):.2f}, or "
-            "lower --rollouts, --prompts-per-step or --max-seq-len"
+            f"({kv_bytes / 2**30:.1f} GiB of KV cache): "
+            f"pass {min(needed + SHARE_MARGIN, most):.2f}, or lower --max-seq-len"
         )
     if needed > most:
         raise CheckError(
@@ -298,7 +348,7 @@ def cuda_memory_share(config, max_model_len: int, max_num_seqs: int, requested, 
             f"the trainer (the engine would need {needed:.2f} of it, at most {most:.2f} is free): "
             "lower --rollouts, --prompts-per-step or --max-seq-len"
         )
-    return requested if requested is not None else max(0.3, needed + 0.01)
+    return requested if requested is not None else max(0.3, needed + SHARE_MARGIN)
 
 
 def parameter_count(config) -> int:
@@ -310,10 +360,22 @@ def parameter_count(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def engine_share(config, max_model_len: int, llm_kwargs: dict, requested, default: float) -> float:
-    """The share of the GPU the engine gets: for the trainer's engine (its batch limits in
-    ``llm_kwargs``), sized to hold a whole step (``cuda_memory_share``); else as requested."""
-    if "max_num_seqs" not in llm_kwargs:  # a standalone engine (evaluate.py) batches as it can
-        return requested or default
+def engine_share(config, max_model_len: int, llm_kwargs: dict, requested, default: float):
+    """The share of the GPU the engine gets and its batch limits. The trainer's engine (its
+    step's limits in ``llm_kwargs``) holds as many of the step's sequences as fit
+    (``engine_sequences``; the rest wait for a free slot) and claims what they need
+    (``cuda_memory_share``). A standalone engine (evaluate.py) gets what was requested."""
+    if "max_num_seqs" not in llm_kwargs:  # a standalone engine batches as it can
+        return requested or default, llm_kwargs
     total = torch.cuda.get_device_properties(0).total_memory
-    return cuda_memory_share(config, max_model_len, llm_kwargs["max_num_seqs"], requested, total)
+    step = llm_kwargs["max_num_seqs"]
+    at_once = engine_sequences(config, max_model_len, step, total, requested)
+    if at_once < step:
+        waves = -(-step // at_once)
+        print(
+            f"[engine] one step's {step} sequences of {max_model_len} tokens do not fit in the "
+            f"KV cache at once: the engine holds {at_once} and samples the step in about {waves} "
+            "waves (docs/gpu.md)"
+        )
+    share = cuda_memory_share(config, max_model_len, at_once, requested, total)
+    return share, {**llm_kwargs, "max_num_seqs": at_once}

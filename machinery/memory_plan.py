@@ -15,8 +15,9 @@ The step simulated is the steady state: AdamW's moments exist (a step after the 
 first two micro-batches run (the later ones repeat the second's allocations; the few MB of
 held-fixed per-token values of the others are left out). Beside it:
 
-* the engine: its bf16 weights, vLLM's working memory and the KV cache of one step's sequences
-  at full length, claimed as its share of the card (``engine_checks.cuda_memory_share``);
+* the engine: its bf16 weights, vLLM's working memory and the KV cache of the step's sequences
+  at full length, all of them or as many as fit beside the trainer (then the step samples in
+  waves, ``engine_checks.engine_sequences``), claimed as its share of the card;
 * the run's peak: the engine sleeps during the update (level 2), so the peak is the larger of
   the update's and the trainer's resident weights beside the awake engine.
 
@@ -311,38 +312,43 @@ def trainer_dtype(config, device_type: str) -> torch.dtype:
 
 
 def engine_share(model_config, config, card_bytes: int) -> tuple[dict, str]:
-    """The engine's bytes (weights, working memory, one step's KV cache at full length), the
-    share of the card it claims, and the reason it cannot have one ("" when it can)."""
+    """The engine's bytes (weights, working memory, the KV cache of the sequences it holds at
+    once), how many of the step's sequences that is, the share of the card it claims, and the
+    reason it cannot have one ("" when it can)."""
     import rollout
     from machinery import engine_checks
 
     if config.backend != "vllm":  # the HF backend samples from the trainer's own model
-        return {"weights": 0, "working": 0, "kv_cache": 0, "share": 0.0}, ""
-    text = model_config.get_text_config()
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        engine = {"weights": 0, "working": 0, "kv_cache": 0, "share": 0.0, "sequences": 0}
+        return engine, ""
     limits = rollout.engine_limits(
         prompts_per_call=config.prompts_per_step,
         n=config.rollouts,
         max_prompt_len=config.max_prompt_len,
         max_model_len=config.max_seq_len,
     )
-    kv_cache = limits["max_num_seqs"] * config.max_seq_len * 2 * text.num_hidden_layers
-    kv_cache *= kv_heads * head_size * 2  # K and V, bf16
-    weights = 2 * engine_checks.parameter_count(model_config)
     requested = config.gpu_memory_utilization or None
     try:
+        sequences = engine_checks.engine_sequences(
+            model_config,
+            max_model_len=config.max_seq_len,
+            step_sequences=limits["max_num_seqs"],
+            total_bytes=card_bytes,
+            requested=requested,
+        )
         share = engine_checks.cuda_memory_share(
-            model_config, config.max_seq_len, limits["max_num_seqs"], requested, card_bytes
+            model_config, config.max_seq_len, sequences, requested, card_bytes
         )
         reason = ""
     except engine_checks.CheckError as error:
-        share, reason = None, str(error)
+        sequences, share, reason = 0, None, str(error)
+    per_token = engine_checks.kv_bytes_per_token(model_config)
     engine = {
-        "weights": weights,
+        "weights": 2 * engine_checks.parameter_count(model_config),
         "working": engine_checks.ENGINE_OVERHEAD_BYTES,
-        "kv_cache": kv_cache,
+        "kv_cache": sequences * config.max_seq_len * per_token,
         "share": share,
+        "sequences": sequences,
     }
     return engine, reason
 
@@ -379,6 +385,7 @@ def plan(config, card_bytes: int, sage, search: bool = True) -> dict:
     largest = None
     if search:
         largest = largest_fitting_micro_batch(model_config, config, dtype, usable, sage)
+    sequences = config.prompts_per_step * config.rollouts
     gigabytes = functools.partial(round, ndigits=2)
     return {
         "model": config.model,
@@ -394,6 +401,8 @@ def plan(config, card_bytes: int, sage, search: bool = True) -> dict:
             sum(engine[k] for k in ("weights", "working", "kv_cache")) / 1e9
         ),
         "engine_share": engine["share"] and round(engine["share"], 2),
+        "engine_sequences_at_once": engine["sequences"],
+        "rollout_waves": -(-sequences // engine["sequences"]) if engine["sequences"] else None,
         "run_peak_gb": gigabytes(run_peak / 1e9),
         "usable_gb": gigabytes(usable / 1e9),
         "largest_micro_batch": largest,
@@ -402,7 +411,7 @@ def plan(config, card_bytes: int, sage, search: bool = True) -> dict:
         "micro_batch_size": config.micro_batch_size,
         "max_seq_len": config.max_seq_len,
         "max_prompt_len": config.max_prompt_len,
-        "sequences_per_step": config.prompts_per_step * config.rollouts,
+        "sequences_per_step": sequences,
         "lora_rank": None if config.full_finetune else config.lora_rank,
         "gradient_checkpointing": config.gradient_checkpointing,
         "not_counted": UNCOUNTED,
@@ -470,7 +479,10 @@ def verdict(result: dict, config) -> str:
 
 def print_report(result: dict, config) -> None:
     """The forecast for people, then one JSON line."""
-    share = result["engine_share"]
+    share, at_once = result["engine_share"], result["engine_sequences_at_once"]
+    waves = ""
+    if result["rollout_waves"] and result["rollout_waves"] > 1:
+        waves = f": the step samples in {result['rollout_waves']} waves"
     lines = [
         f"memory plan of {result['model']} ({result['dtype']}, micro-batch "
         f"{result['micro_batch_size']}, {result['sequences_per_step']} sequences of "
@@ -480,7 +492,8 @@ def print_report(result: dict, config) -> None:
         f"  trainer, update peak  {result['update_peak_gb']:7.2f} GB (the engine asleep)",
         f"  engine                {result['engine_needs_gb']:7.2f} GB (weights "
         f"{result['engine_weights_gb']:.2f} GB, KV cache {result['engine_kv_cache_gb']:.2f} GB "
-        f"for one step), given {'no share' if share is None else f'{share:.2f} of the card'}",
+        f"for {at_once} sequences at once{waves}), given "
+        f"{'no share' if share is None else f'{share:.2f} of the card'}",
         f"  run peak              {result['run_peak_gb']:7.2f} GB",
         f"verdict: {verdict(result, config)}",
     ]

@@ -11,7 +11,7 @@ import torch
 from transformers import Qwen2Config
 
 import sage
-from machinery import memory_plan
+from machinery import engine_checks, memory_plan
 
 TINY_SHAPE = dict(
     hidden_size=64,
@@ -126,8 +126,46 @@ def test_the_engine_share_that_cannot_fit_names_its_flags(tiny_config_dir, monke
     config = run_config(model=tiny_config_dir)
     config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=2)  # the engine alone needs > 2 GB
     monkeypatch.setattr(memory_plan, "plan_device", lambda: "cuda")
-    with pytest.raises(SystemExit, match="lower --rollouts, --prompts-per-step or --max-seq-len"):
+    with pytest.raises(SystemExit, match="lower --max-seq-len, use a larger GPU, or pass --backe"):
         memory_plan.before_loading(config, sage)
+
+
+def test_a_step_whose_kv_cache_does_not_fit_samples_in_waves(tmp_path):
+    """The R1-distill rows (8,192 tokens) on a 48 GB card: the KV cache of all 64 sequences
+    (30 GB) cannot sit beside two bf16 copies of the 7B, so the engine holds as many as fit and
+    the step samples in waves; at 2,048 tokens on 80 GB the whole step fits at once."""
+    Qwen2Config(**SEVEN_B_SHAPE).save_pretrained(tmp_path)
+    model_config = memory_plan.read_model_config(str(tmp_path))
+    long_run = sage.Config(model=str(tmp_path), max_seq_len=8192)
+    engine, problem = memory_plan.engine_share(model_config, long_run, card_bytes=48 * 10**9)
+    assert not problem and 1 <= engine["sequences"] < 64
+    per_sequence = 8192 * engine_checks.kv_bytes_per_token(model_config)
+    assert engine["kv_cache"] == engine["sequences"] * per_sequence
+    awake = 2 * engine["weights"] + engine["working"] + engine["kv_cache"]  # both weight copies
+    assert awake <= (1 - engine_checks.GPU_HEADROOM) * 48e9 < awake + per_sequence + 0.01 * 48e9
+    assert engine["share"] * 48e9 >= engine["weights"] + engine["working"] + engine["kv_cache"]
+    # One more sequence would not fit: the count is the largest.
+    more = engine_checks.cuda_memory_share
+    with pytest.raises(engine_checks.CheckError):
+        more(model_config, 8192, engine["sequences"] + 2, None, 48 * 10**9)
+    paper_run = sage.Config(model=str(tmp_path), max_seq_len=2048)
+    engine, _ = memory_plan.engine_share(model_config, paper_run, card_bytes=80 * 10**9)
+    assert engine["sequences"] == 64
+
+
+def test_the_trainers_engine_is_given_the_waves_it_can_hold(monkeypatch, capsys):
+    """On CUDA, the trainer's engine gets max_num_seqs = what fits (and says so in one line);
+    a standalone engine keeps its own batching."""
+    model_config = Qwen2Config(**SEVEN_B_SHAPE)
+    card = type("Card", (), {"total_memory": 48 * 10**9})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
+    limits = {"max_num_seqs": 64, "max_num_batched_tokens": 8192}
+    share, kwargs = engine_checks.engine_share(model_config, 8192, limits, None, 0.3)
+    at_once = engine_checks.engine_sequences(model_config, 8192, 64, 48 * 10**9)
+    assert kwargs == {"max_num_seqs": at_once, "max_num_batched_tokens": 8192} and at_once < 64
+    assert f"holds {at_once} and samples the step in about 3 waves" in capsys.readouterr().out
+    assert 0.3 < share < 0.95
+    assert engine_checks.engine_share(model_config, 8192, {}, None, 0.9) == (0.9, {})
 
 
 def test_a_cpu_torch_beside_an_nvidia_gpu_is_refused(monkeypatch):
