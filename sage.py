@@ -571,9 +571,10 @@ def main(argv: list[str] | None = None) -> dict:
     prompt_sampler = PromptSampler(len(problems), config.seed)
     state = (policy, optimizer, scheduler, prompt_sampler, guide_generator)  # a checkpoint's
     reward_function = load_reward_function(config.reward)
-    runs.save_run_config(run_dir, config)  # the run can start: the model, data and reward loaded
+    held_out = trackers.eval_benchmarks(config)  # what --eval-every evaluates
+    runs.save_run_config(run_dir, config)  # the run can start: model, data and reward loaded
     start = runs.restore_or_start(config.resume, run_dir, state=state)
-    logger = trackers.RunLogger(config, run_dir, tokenizer=tokenizer)
+    logger = trackers.RunLogger(config, run_dir, tokenizer=tokenizer, benchmarks=held_out)
     engine = start_engine(config, base_path, policy=policy)
     # pass@k (and the support probe) of the starting policy
     logger.evaluate(engine, updates=start, first=True, policy=policy)

@@ -108,13 +108,38 @@ class Trackers:
 # --------------------------------------------------------------------------------------------
 
 
+def eval_benchmarks(config) -> dict:
+    """What --eval-every evaluates: {name: [Problem]} ({} when it is off; flag_checks insists on
+    benchmarks when it is on). With --eval-solution-key every benchmark must hold a reference
+    solution in that field, the support probe's input: else one line naming the flag.
+    Loaded before the run directory is written, so a bad file leaves nothing behind."""
+    from machinery.data import DataError, resolve_benchmarks
+
+    if config.eval.eval_every <= 0:
+        return {}
+    resolved = resolve_benchmarks(
+        config.eval.eval_benchmarks,
+        solution_key=config.eval.eval_solution_key,
+        group_key=config.eval.eval_group_key,
+    )
+    benchmarks = {name: problems for name, (_, problems) in resolved.items()}
+    for name, problems in benchmarks.items():
+        if config.eval.eval_solution_key and not any(p.solution for p in problems):
+            raise DataError(
+                f"--eval-solution-key {config.eval.eval_solution_key}: no problem of {name} has "
+                "a reference solution in that field; name the field that holds one, or drop the "
+                "flag"
+            )
+    return benchmarks
+
+
 class RunLogger:
     """A run's records: one metrics.jsonl line per step (and the --report-to trackers), the
     progress bar, the zero-reward warning, and pass@k every --eval-every steps into eval.jsonl."""
 
-    def __init__(self, config, run_dir: str, tokenizer):
+    def __init__(self, config, run_dir: str, tokenizer, benchmarks: dict):
         self.config, self.run_dir, self.tokenizer = config, run_dir, tokenizer
-        self.benchmarks = self._benchmarks(config)
+        self.benchmarks = benchmarks  # {name: [Problem]} (``eval_benchmarks``)
         self.trackers = Trackers(
             config.report_to,
             run_dir,
@@ -123,20 +148,6 @@ class RunLogger:
             config.resume,
         )
         self.zero_reward_streak = 0
-
-    @staticmethod
-    def _benchmarks(config) -> dict:
-        """What --eval-every evaluates: {name: [Problem]} (flag_checks insists on benchmarks)."""
-        from machinery.data import resolve_benchmarks
-
-        if config.eval.eval_every <= 0:
-            return {}
-        resolved = resolve_benchmarks(
-            config.eval.eval_benchmarks,
-            solution_key=config.eval.eval_solution_key,
-            group_key=config.eval.eval_group_key,
-        )
-        return {name: problems for name, (_, problems) in resolved.items()}
 
     def log_step(
         self, step: int, rollouts, rewards, metrics: dict, timer, lr: float, progress=None

@@ -514,6 +514,7 @@ def test_ppo_epochs_average_their_gradients_into_one_step(tiny):
         ("a directory without a model", "cannot load model"),
         ("a malformed dataset", "train.jsonl: line 2 does not parse as JSON"),
         ("a wrong --problem-key", "has no field 'question'"),
+        ("an --eval-solution-key no held-out row has", "--eval-solution-key proof: no problem"),
     ],
 )
 def test_a_run_that_cannot_start_ends_in_one_line_and_writes_nothing(
@@ -528,6 +529,10 @@ def test_a_run_that_cannot_start_ends_in_one_line_and_writes_nothing(
     argv = ["--model", model, "--dataset", str(tmp_path / "train.jsonl"), "--backend", "hf"]
     argv += ["--out", str(tmp_path / "runs"), "--name", "x", "--steps", "1"]
     argv += ["--problem-key", "question"] if case == "a wrong --problem-key" else []
+    if case == "an --eval-solution-key no held-out row has":
+        (tmp_path / "held.jsonl").write_text('{"problem": "3+3", "answer": "6"}\n')
+        argv += ["--eval-every", "1", "--eval-benchmarks", str(tmp_path / "held.jsonl")]
+        argv += ["--eval-solution-key", "proof"]
     with pytest.raises((SystemExit, cli.UsageError)) as ended:
         sage.main(argv)
     text = str(ended.value)
