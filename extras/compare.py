@@ -67,13 +67,10 @@ PROBE += ("outside",)
 TASK_SEED = 3407  # the held-out split every seed shares (the demo's own)
 
 
-# each stage's threads: the cores split between the seeds trained at once (main sets --jobs)
-THREADS = {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}
-
-
-def run(command: list[str]) -> None:
-    """A stage as a subprocess; its failure ends the study with its last lines."""
-    env = {**SUBPROCESS_ENV, **THREADS}
+def run(command: list[str], threads: int) -> None:
+    """A stage as a subprocess on ``threads`` cores; its failure ends the study with its last
+    lines."""
+    env = {**SUBPROCESS_ENV, "OMP_NUM_THREADS": str(threads)}
     result = subprocess.run(
         [sys.executable, *command], cwd=REPO, env=env, capture_output=True, text=True
     )
@@ -96,7 +93,8 @@ def sft_start(seed_dir: str, seed: int, args) -> dict[str, str]:
     if not os.path.exists(os.path.join(files["model"], "config.json")):
         run(
             ["-m", "extras.demo", "--out", seed_dir, "--name", "sft", "--seed", str(seed)]
-            + ["--demo-task-seed", str(TASK_SEED), "--sft-only", *sft_settings(args)]
+            + ["--demo-task-seed", str(TASK_SEED), "--sft-only", *sft_settings(args)],
+            threads=args.threads,
         )
     return files
 
@@ -129,22 +127,23 @@ def train_arm(seed_dir: str, seed: int, arm: str, flags: list[str], files: dict,
         + ["--steps", str(args.steps), "--eval-every", "0", "--save-every", str(args.save_every)]
         + shlex.split(args.flags)
         + flags
-        + (["--resume"] if resume else [])
+        + (["--resume"] if resume else []),
+        threads=args.threads,
     )
     return adapter
 
 
-def evaluate(files: dict, adapter: str | None, n: int, out: str) -> None:
+def evaluate(files: dict, adapter: str | None, out: str, args) -> None:
     """The support probe of every held-out sum's solution (exact, no samples), and pass@k with n
     samples per held-out problem, both as in training (temperature 1, min-p 0.01, no top-p)."""
     command = [
         *["evaluate.py", "--model", files["model"], "--benchmarks", files["held_out"]],
         *["--solution-key", "working", "--group-key", "difficulty"],
-        *["--n", str(n), "--seeds", "0", "--temperature", "1.0", "--top-p", "1.0"],
+        *["--n", str(args.eval_samples), "--seeds", "0", "--temperature", "1.0", "--top-p", "1.0"],
         *["--min-p", "0.01", "--max-tokens", "64", "--max-model-len", "640"],
         *["--gpu-memory-utilization", "0.2", "--out", out, "--no-progress"],
     ]
-    run(command + (["--adapter", adapter] if adapter else []))
+    run(command + (["--adapter", adapter] if adapter else []), threads=args.threads)
 
 
 def measures_of(path: str) -> dict[str, float]:
@@ -387,6 +386,8 @@ def parse_args(argv: list[str] | None):
         )
     if not (0.0 <= args.demo_sft_noise <= 1.0 and 0.0 <= args.demo_hard_noise <= 1.0):
         parser.error("--demo-sft-noise and --demo-hard-noise are fractions in [0, 1]")
+    # each stage's threads: the cores split between the seeds trained at once
+    args.threads = max(1, (os.cpu_count() or 1) // min(args.jobs, args.seeds))
     return args, arms
 
 
@@ -401,7 +402,7 @@ def run_seed(seed: int, arms: dict, args, out: str, progress) -> dict[str, dict]
             adapter = None
             if arm != "SFT start":
                 adapter = train_arm(seed_dir, seed, arm, arms[arm], files, args)
-            evaluate(files, adapter, args.eval_samples, result)
+            evaluate(files, adapter, out=result, args=args)
         measures[arm] = measures_of(result)
         progress.update(1)
     return measures
@@ -418,8 +419,6 @@ def main(argv: list[str] | None = None) -> dict:
     out, started = os.path.abspath(args.out), time.time()
     seeds = [args.seed + i for i in range(args.seeds)]
     jobs = min(args.jobs, len(seeds))
-    threads = max(1, (os.cpu_count() or 1) // jobs)  # each job's share of the cores
-    THREADS.update(OMP_NUM_THREADS=str(threads))
     per_seed: dict[str, dict[str, dict]] = {}
     with tqdm(total=len(seeds) * (1 + len(arms)), desc="study", unit="arm") as progress:
         with ThreadPoolExecutor(max_workers=jobs) as pool:
