@@ -278,14 +278,20 @@ def kv_bytes_per_token(config) -> int:
 
 
 def engine_sequences(
-    config, max_model_len: int, step_sequences: int, total_bytes: int, requested=None
+    config,
+    max_model_len: int,
+    step_sequences: int,
+    total_bytes: int,
+    requested=None,
+    trainer_bytes: int | None = None,
 ) -> int:
     """How many of one step's ``step_sequences`` the engine holds at once on a GPU of
     ``total_bytes``, each with ``max_model_len`` tokens of KV cache: all of them when they fit
     beside the trainer's bf16 weights, else as many as fit. vLLM then samples the step in waves:
     it queues the rest and starts one as soon as a running sequence ends, so no sequence is
     preempted and recomputed. ``requested`` (--gpu-memory-utilization) or None: the engine's
-    share, else the most it may take. Raises a one-line CheckError when not one sequence fits.
+    share, else the most it may take beside the trainer's ``trainer_bytes`` (None: a bf16 copy of
+    the weights, as the LoRA policy holds). Raises a one-line CheckError when not one fits.
 
     >>> from transformers import Qwen2Config  # Qwen2.5-Math-7B's shape
     >>> seven_b = Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
@@ -297,7 +303,8 @@ def engine_sequences(
     """
     weights = 2 * parameter_count(config)  # the engine's bf16 copy; the trainer holds another
     per_sequence = max_model_len * kv_bytes_per_token(config)
-    most = 1.0 - GPU_HEADROOM - weights / total_bytes - SHARE_MARGIN
+    trainer = weights if trainer_bytes is None else trainer_bytes
+    most = 1.0 - GPU_HEADROOM - trainer / total_bytes - SHARE_MARGIN
     share = most if requested is None else requested - SHARE_MARGIN
     fit = int((share * total_bytes - weights - ENGINE_OVERHEAD_BYTES) // per_sequence)
     if fit >= 1:
@@ -316,12 +323,20 @@ def engine_sequences(
     )
 
 
-def cuda_memory_share(config, max_model_len: int, max_num_seqs: int, requested, total_bytes: int):
+def cuda_memory_share(
+    config,
+    max_model_len: int,
+    max_num_seqs: int,
+    requested,
+    total_bytes: int,
+    trainer_bytes: int | None = None,
+):
     """The engine's share of a GPU of ``total_bytes`` that holds ``max_num_seqs`` sequences of
     ``max_model_len`` tokens in its KV cache at once (``engine_sequences`` says how many).
     ``requested`` (--gpu-memory-utilization) or None: the default 0.3, raised as far as the
     sequences need. Raises a one-line CheckError naming the share that would fit when the
-    requested one is too small, or when nothing fits beside the trainer.
+    requested one is too small, or when nothing fits beside the trainer's ``trainer_bytes``
+    (None: a bf16 copy of the weights).
 
     >>> from transformers import Qwen2Config  # Qwen2.5-Math-7B's shape, an 80 GB GPU
     >>> seven_b = Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
@@ -334,7 +349,8 @@ def cuda_memory_share(config, max_model_len: int, max_num_seqs: int, requested, 
     kv_bytes = max_num_seqs * max_model_len * kv_bytes_per_token(config)
     weights = 2 * parameter_count(config)  # the engine's bf16 copy; the trainer holds another
     needed = (weights + ENGINE_OVERHEAD_BYTES + kv_bytes) / total_bytes
-    most = 1.0 - GPU_HEADROOM - weights / total_bytes
+    trainer = weights if trainer_bytes is None else trainer_bytes
+    most = 1.0 - GPU_HEADROOM - trainer / total_bytes
     step = f"{max_num_seqs} sequences of {max_model_len} tokens"
     if requested is not None and requested < needed:
         raise CheckError(
@@ -368,8 +384,16 @@ def engine_share(config, max_model_len: int, llm_kwargs: dict, requested, defaul
     if "max_num_seqs" not in llm_kwargs:  # a standalone engine batches as it can
         return requested or default, llm_kwargs
     total = torch.cuda.get_device_properties(0).total_memory
+    trainer = torch.cuda.memory_allocated() or None  # the trainer's model, loaded already
     step = llm_kwargs["max_num_seqs"]
-    at_once = engine_sequences(config, max_model_len, step, total, requested)
+    at_once = engine_sequences(
+        config,
+        max_model_len=max_model_len,
+        step_sequences=step,
+        total_bytes=total,
+        requested=requested,
+        trainer_bytes=trainer,
+    )
     if at_once < step:
         waves = -(-step // at_once)
         print(
@@ -377,5 +401,12 @@ def engine_share(config, max_model_len: int, llm_kwargs: dict, requested, defaul
             f"KV cache at once: the engine holds {at_once} and samples the step in about {waves} "
             "waves (docs/gpu.md)"
         )
-    share = cuda_memory_share(config, max_model_len, at_once, requested, total)
+    share = cuda_memory_share(
+        config,
+        max_model_len=max_model_len,
+        max_num_seqs=at_once,
+        requested=requested,
+        total_bytes=total,
+        trainer_bytes=trainer,
+    )
     return share, {**llm_kwargs, "max_num_seqs": at_once}

@@ -311,10 +311,12 @@ def trainer_dtype(config, device_type: str) -> torch.dtype:
     return torch.float32 if config.full_finetune else torch.bfloat16
 
 
-def engine_share(model_config, config, card_bytes: int) -> tuple[dict, str]:
+def engine_share(
+    model_config, config, card_bytes: int, trainer_bytes: int | None = None
+) -> tuple[dict, str]:
     """The engine's bytes (weights, working memory, the KV cache of the sequences it holds at
-    once), how many of the step's sequences that is, the share of the card it claims, and the
-    reason it cannot have one ("" when it can)."""
+    once), how many of the step's sequences that is, the share of the card it claims beside the
+    trainer's resident ``trainer_bytes``, and the reason it cannot have one ("" when it can)."""
     import rollout
     from machinery import engine_checks
 
@@ -335,9 +337,15 @@ def engine_share(model_config, config, card_bytes: int) -> tuple[dict, str]:
             step_sequences=limits["max_num_seqs"],
             total_bytes=card_bytes,
             requested=requested,
+            trainer_bytes=trainer_bytes,
         )
         share = engine_checks.cuda_memory_share(
-            model_config, config.max_seq_len, sequences, requested, card_bytes
+            model_config,
+            max_model_len=config.max_seq_len,
+            max_num_seqs=sequences,
+            requested=requested,
+            total_bytes=card_bytes,
+            trainer_bytes=trainer_bytes,
         )
         reason = ""
     except engine_checks.CheckError as error:
@@ -377,7 +385,7 @@ def plan(config, card_bytes: int, sage, search: bool = True) -> dict:
     model_config = read_model_config(config.model)
     dtype = trainer_dtype(config, "cuda")
     update = simulate_update(model_config, config, dtype, sage)
-    engine, engine_reason = engine_share(model_config, config, card_bytes)
+    engine, engine_reason = engine_share(model_config, config, card_bytes, update["resident"])
     usable = int((1 - engine_checks.GPU_HEADROOM) * card_bytes)
     awake = update["resident"] + (engine["share"] or 0.0) * card_bytes
     run_peak = max(update["peak"], awake)

@@ -1,0 +1,139 @@
+"""docs/gpu.md's table of the memory plan: model length x card, with the largest micro-batch that
+fits and the run's forecast peak, for the paper's 7B shape (Qwen2.5-Math-7B; the R1-distill 7B
+has the same shape) and sage.py's defaults (8 x 8 sequences, prompts of up to 512 tokens, LoRA
+rank 8, gradient checkpointing).
+
+The update is simulated once per length and micro-batch (``memory_plan.simulate_update``, a
+minute each at the 7B shape on a laptop CPU); the engine's share is worked out per card
+(``memory_plan.engine_share``). A micro-batch fits a card when the update's peak (the engine
+asleep) and the trainer's resident weights beside the awake engine both fit its usable memory.
+
+    python bench/memory_table.py                      # 2,048 and 8,192 tokens, 5 cards
+    python bench/memory_table.py --lengths 1024 --micro-batches 1,2   # a quick look
+
+Prints the markdown table, then one JSON object as its last line: rows (length, card_gb,
+largest_micro_batch, run_peak_gb, engine_sequences_at_once, rollout_waves, engine_problem) and
+update_peak_gb (per length, per micro-batch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+from transformers import Qwen2Config
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import sage  # noqa: E402
+from machinery import engine_checks, memory_plan  # noqa: E402
+
+SEVEN_B = dict(  # Qwen2.5-Math-7B and DeepSeek-R1-Distill-Qwen-7B
+    hidden_size=3584,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    intermediate_size=18944,
+    vocab_size=152064,
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+)
+
+
+def card_row(model_config, config, card_gb: float, update_peaks: dict, resident: int) -> dict:
+    """One card's verdict at one length: the largest simulated micro-batch that fits."""
+    card_bytes = int(card_gb * 1e9)
+    usable = int((1 - engine_checks.GPU_HEADROOM) * card_bytes)
+    engine, problem = memory_plan.engine_share(model_config, config, card_bytes, resident)
+    awake = resident + (engine["share"] or 0.0) * card_bytes
+    fitting = [size for size, peak in update_peaks.items() if peak <= usable]
+    largest = max(fitting) if fitting and not problem and awake <= usable else None
+    sequences = config.prompts_per_step * config.rollouts
+    return {
+        "length": config.max_seq_len,
+        "card_gb": card_gb,
+        "largest_micro_batch": largest,
+        "run_peak_gb": round(max(update_peaks[largest], awake) / 1e9, 1) if largest else None,
+        "engine_sequences_at_once": engine["sequences"],
+        "rollout_waves": -(-sequences // engine["sequences"]) if engine["sequences"] else None,
+        "engine_problem": problem or None,
+    }
+
+
+def markdown(rows: list[dict], update_peaks: dict) -> str:
+    lines = [
+        "| length | card | largest micro-batch | run peak | engine holds (waves) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        if row["engine_problem"]:
+            verdict, peak, engine = "none: the engine does not fit", "-", "-"
+        elif row["largest_micro_batch"] is None:
+            verdict, peak = "none", "-"
+            engine = f"{row['engine_sequences_at_once']} ({row['rollout_waves']})"
+        else:
+            largest = row["largest_micro_batch"]
+            simulated = max(update_peaks[row["length"]])
+            verdict = (
+                f"{largest} or more (largest simulated)" if largest == simulated else str(largest)
+            )
+            peak = f"{row['run_peak_gb']:.1f} GB"
+            engine = f"{row['engine_sequences_at_once']} ({row['rollout_waves']})"
+        lines.append(
+            f"| {row['length']:,} | {row['card_gb']:g} GB | {verdict} | {peak} | {engine} |"
+        )
+    lines.append("")
+    lines.append("| length | update peak by micro-batch |")
+    lines.append("| --- | --- |")
+    for length, peaks in update_peaks.items():
+        text = ", ".join(f"{size}: {peak / 1e9:.1f} GB" for size, peak in peaks.items())
+        lines.append(f"| {length:,} | {text} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", default="2048,8192", help="--max-seq-len values")
+    parser.add_argument("--cards", default=",".join(map(str, memory_plan.CARDS_GB)))
+    parser.add_argument("--micro-batches", default="1,2,4,8,16,32")
+    args = parser.parse_args(argv)
+    lengths = [int(value) for value in args.lengths.split(",")]
+    cards = [float(value) for value in args.cards.split(",")]
+    micro_batches = [int(value) for value in args.micro_batches.split(",")]
+    started = time.perf_counter()
+    rows, update_peaks = [], {}
+    with tempfile.TemporaryDirectory() as folder:
+        Qwen2Config(**SEVEN_B).save_pretrained(folder)
+        model_config = memory_plan.read_model_config(folder)
+        for length in lengths:
+            config = sage.Config(model=folder, max_seq_len=length)
+            dtype = memory_plan.trainer_dtype(config, "cuda")
+            peaks, resident = {}, 0
+            for size in micro_batches:
+                trial = sage.Config(model=folder, max_seq_len=length, micro_batch_size=size)
+                update = memory_plan.simulate_update(model_config, trial, dtype, sage)
+                peaks[size], resident = update["peak"], update["resident"]
+                gigabytes = peaks[size] / 1e9
+                print(f"length {length}, micro-batch {size}: {gigabytes:.1f} GB", flush=True)
+            update_peaks[length] = peaks
+            rows += [card_row(model_config, config, card, peaks, resident) for card in cards]
+    print(markdown(rows, update_peaks))
+    result = {
+        "rows": rows,
+        "update_peak_gb": {
+            str(length): {str(size): round(peak / 1e9, 2) for size, peak in peaks.items()}
+            for length, peaks in update_peaks.items()
+        },
+        "wall_s": round(time.perf_counter() - started, 1),
+        "torch": torch.__version__,
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
