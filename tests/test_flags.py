@@ -74,29 +74,39 @@ def test_missing_paths_and_impossible_combinations(argv, message, capsys):
     assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    "argv",
-    [
-        ["--lr", "nan"],
-        ["--lr", "-1"],
-        ["--temperature", "0"],
-        ["--model", "/no/such/model/dir"],
-        ["--reward", "nosuchmod:f"],
-        ["--beta", "nan"],
-        ["--max-seq-len", "-5"],
-    ],
-)
+TYPED = [
+    ["--lr", "nan"],
+    ["--lr", "-1"],
+    ["--temperature", "0"],
+    ["--model", "/no/such/model/dir"],
+    ["--reward", "nosuchmod:f"],
+    ["--beta", "nan"],
+    ["--max-seq-len", "-5"],
+]
+
+
+def with_model(argv):
+    return argv if "--model" in argv else ["--model", "Qwen/Qwen2.5-Math-7B", *argv]
+
+
+@pytest.mark.parametrize("argv", TYPED)
+def test_as_a_user_types_it_one_line_and_nothing_written(argv, tmp_path, capsys):
+    """sage.py's main on each: exit 2, one error line, nothing on stdout, no run directory."""
+    with pytest.raises(SystemExit) as stop:
+        sage.main([*with_model(argv), "--out", str(tmp_path / "runs")])
+    assert stop.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len([line for line in captured.err.splitlines() if "error:" in line]) == 1
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("argv", [TYPED[0], TYPED[3], TYPED[4]])  # a number, a path, a module
 def test_as_a_user_types_it_one_line_in_seconds_and_nothing_written(argv, tmp_path):
-    model = [] if "--model" in argv else ["--model", "Qwen/Qwen2.5-Math-7B"]
+    """The same, as a process started from the shell (import costs included): no traceback."""
     result = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(REPO, "sage.py"),
-            *model,
-            *argv,
-            "--out",
-            str(tmp_path / "runs"),
-        ],
+        [sys.executable, os.path.join(REPO, "sage.py"), *with_model(argv)]
+        + ["--out", str(tmp_path / "runs")],
         capture_output=True,
         text=True,
         cwd=REPO,
