@@ -485,12 +485,25 @@ def verdict(result: dict, config) -> str:
     )
 
 
+def engine_line(result: dict, config) -> str:
+    """The engine's row of the report: its bytes, the sequences it holds at once, its share."""
+    if config.backend != "vllm":
+        return "none: --backend hf samples with the trainer's own model"
+    weights = f"weights {result['engine_weights_gb']:.2f} GB"
+    if result["engine_share"] is None:
+        return f"{result['engine_needs_gb']:7.2f} GB ({weights}): no room for one sequence's cache"
+    waves = result["rollout_waves"]
+    held = f"{result['engine_sequences_at_once']} sequences at once"
+    held += f", the step in {waves} waves" if waves > 1 else " (the whole step)"
+    return (
+        f"{result['engine_needs_gb']:7.2f} GB ({weights}, KV cache "
+        f"{result['engine_kv_cache_gb']:.2f} GB for {held}), given "
+        f"{result['engine_share']:.2f} of the card"
+    )
+
+
 def print_report(result: dict, config) -> None:
     """The forecast for people, then one JSON line."""
-    share, at_once = result["engine_share"], result["engine_sequences_at_once"]
-    waves = ""
-    if result["rollout_waves"] and result["rollout_waves"] > 1:
-        waves = f": the step samples in {result['rollout_waves']} waves"
     lines = [
         f"memory plan of {result['model']} ({result['dtype']}, micro-batch "
         f"{result['micro_batch_size']}, {result['sequences_per_step']} sequences of "
@@ -498,10 +511,7 @@ def print_report(result: dict, config) -> None:
         f"  trainer, resident     {result['trainer_resident_gb']:7.2f} GB (weights "
         f"{result['trainer_weights_gb']:.2f} GB, adapters and AdamW states)",
         f"  trainer, update peak  {result['update_peak_gb']:7.2f} GB (the engine asleep)",
-        f"  engine                {result['engine_needs_gb']:7.2f} GB (weights "
-        f"{result['engine_weights_gb']:.2f} GB, KV cache {result['engine_kv_cache_gb']:.2f} GB "
-        f"for {at_once} sequences at once{waves}), given "
-        f"{'no share' if share is None else f'{share:.2f} of the card'}",
+        f"  engine                {engine_line(result, config)}",
         f"  run peak              {result['run_peak_gb']:7.2f} GB",
         f"verdict: {verdict(result, config)}",
     ]
