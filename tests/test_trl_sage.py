@@ -622,7 +622,7 @@ def test_one_step_under_accelerate_launch_with_two_cpu_processes(
 
 @pytest.mark.slow
 @pytest.mark.cpu_only("a resumed run repeats the CPU's float32 arithmetic exactly")
-def test_a_resumed_run_continues_from_its_checkpoint(tiny_model_dir, train_file, tmp_path):
+def test_a_resumed_run_continues_from_its_checkpoint(tiny_model_dir, train_file, tmp_path, capsys):
     argv = [
         *TINY,
         "--model",
@@ -648,15 +648,9 @@ def test_a_resumed_run_continues_from_its_checkpoint(tiny_model_dir, train_file,
         timeout=600,
     )
     assert first.returncode == 0, first.stderr[-3000:]
-    again = subprocess.run(
-        [*command, *argv, "--steps", "2"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=subprocess_env(),
-        timeout=600,
-    )
-    assert again.returncode == 2 and "pass --resume" in again.stderr.strip().splitlines()[-1]
+    with pytest.raises(SystemExit) as again:  # refused before anything loads: in-process
+        trl_sage.main([*argv, "--steps", "2"])
+    assert again.value.code == 2 and "pass --resume" in capsys.readouterr().err.splitlines()[-1]
     resumed = subprocess.run(
         [*command, *argv, "--steps", "2", "--resume"],
         capture_output=True,
