@@ -180,3 +180,45 @@ def test_a_cpu_torch_beside_an_nvidia_gpu_is_refused(monkeypatch):
 def test_hiding_every_gpu_on_purpose_is_no_visible_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert not memory_plan.nvidia_gpu_visible()
+
+
+def test_on_cuda_the_trainers_engine_starts_with_the_sequences_that_fit(monkeypatch, capsys):
+    """rollout.VLLMEngine on a (pretended) 48 GB GPU beside a loaded 7B trainer: vLLM is asked
+    for the sequences that fit (max_num_seqs), the share they need, and sleep mode."""
+    import rollout
+
+    seven_b = Qwen2Config(**{**SEVEN_B_SHAPE, "max_position_embeddings": 32768})
+    trainer_bytes = 15_500_000_000
+    card = type("Card", (), {"total_memory": 48 * 10**9})
+    monkeypatch.setattr(engine_checks, "load_model_config", lambda path: seven_b)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: trainer_bytes)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    started = {}
+    monkeypatch.setattr(
+        rollout.VLLMEngine, "_start", lambda self, kwargs, starting: started.update(kwargs)
+    )
+    monkeypatch.setattr(rollout.AutoTokenizer, "from_pretrained", lambda path: None)
+    limits = rollout.engine_limits(prompts_per_call=8, n=8, max_prompt_len=512, max_model_len=8192)
+    rollout.VLLMEngine("/a/7b", max_model_len=8192, **limits)
+    at_once = engine_checks.engine_sequences(
+        seven_b,
+        max_model_len=8192,
+        step_sequences=64,
+        total_bytes=48 * 10**9,
+        trainer_bytes=trainer_bytes,
+    )
+    assert 1 <= at_once < 64 and started["max_num_seqs"] == at_once
+    assert started["max_num_batched_tokens"] == limits["max_num_batched_tokens"]
+    needed = engine_checks.cuda_memory_share(
+        seven_b,
+        max_model_len=8192,
+        max_num_seqs=at_once,
+        requested=None,
+        total_bytes=48 * 10**9,
+        trainer_bytes=trainer_bytes,
+    )
+    assert started["gpu_memory_utilization"] == needed and started["enable_sleep_mode"]
+    assert trainer_bytes + needed * 48e9 <= (1 - engine_checks.GPU_HEADROOM) * 48e9
+    assert "waves" in capsys.readouterr().out
