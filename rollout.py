@@ -151,6 +151,7 @@ class VLLMEngine:
         seed: int = 0,
         enable_sleep_mode: bool | None = None,
         enforce_eager: bool | None = None,
+        trainer_bytes: int | None = None,
         **llm_kwargs,
     ):
         engine_checks.quiet_vllm()  # its warnings only (VLLM_LOGGING_LEVEL=INFO for the rest)
@@ -181,6 +182,7 @@ class VLLMEngine:
                     llm_kwargs=llm_kwargs,
                     requested=gpu_memory_utilization,
                     default=CUDA_DEFAULT_MEMORY_FRACTION,
+                    trainer_bytes=trainer_bytes,
                 )
             kwargs.update(gpu_memory_utilization=fraction, enable_sleep_mode=self.sleep_mode)
         else:  # vLLM's CPU backend needs arguments and fixes of its own (docs/vllm-cpu.md)
@@ -377,7 +379,9 @@ def make_engine(
     vLLM engine loads ``model_path`` and then syncs ``model`` into it, so both start from the
     trainer's current weights. ``engine_kwargs`` go to the engine; the hf engine ignores the
     vLLM engine's ``gpu_memory_utilization`` (on CUDA its share of the GPU, default 0.3; on CPU
-    the share of RAM for the KV cache, default 0.05) and ``enable_sleep_mode``.
+    the share of RAM for the KV cache, default 0.05), ``enable_sleep_mode`` and
+    ``trainer_bytes`` (on CUDA, what the trainer keeps beside the engine; its sequences at once
+    are sized to the rest).
     """
     common = dict(max_model_len=max_model_len, dtype=dtype, seed=seed)
     if backend == "vllm":
@@ -388,7 +392,7 @@ def make_engine(
     if backend == "hf":
         from extras.hf_engine import HFEngine
 
-        vllm_only = ("gpu_memory_utilization", "enable_sleep_mode")
+        vllm_only = ("gpu_memory_utilization", "enable_sleep_mode", "trainer_bytes")
         hf_kwargs = {name: value for name, value in engine_kwargs.items() if name not in vllm_only}
         return HFEngine(model_path, model=model, **common, **hf_kwargs)
     raise RolloutError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")

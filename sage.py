@@ -246,8 +246,9 @@ def load_policy(config: Config, base_path: str):
     return policy, reference, optimizer, scheduler, tokenizer
 
 
-def start_engine(config: Config, base_path: str, policy):
-    """The rollout engine on the base model, in the trainer's dtype, with the policy's weights."""
+def start_engine(config: Config, base_path: str, policy, reference):
+    """The rollout engine on the base model, in the trainer's dtype, with the policy's weights;
+    on CUDA it holds as many of a step's sequences as fit beside the trainer."""
     dtype = "bfloat16" if next(policy.parameters()).dtype == torch.bfloat16 else "float32"
     limits = {}
     if config.backend == "vllm":  # sized to one step's batch
@@ -264,6 +265,7 @@ def start_engine(config: Config, base_path: str, policy):
         seed=config.seed,
         dtype=dtype,
         gpu_memory_utilization=config.gpu_memory_utilization or None,  # 0: the engine's default
+        trainer_bytes=models.resident_bytes(policy, reference),
         model=policy if config.backend == "hf" else None,  # the HF backend samples from the policy
         **limits,
     )
@@ -575,7 +577,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs.save_run_config(run_dir, config)  # the run can start: model, data and reward loaded
     start = runs.restore_or_start(config.resume, run_dir, state=state)
     logger = trackers.RunLogger(config, run_dir, tokenizer=tokenizer, benchmarks=held_out)
-    engine = start_engine(config, base_path, policy=policy)
+    engine = start_engine(config, base_path, policy=policy, reference=reference)
     # pass@k (and the support probe) of the starting policy
     logger.evaluate(engine, updates=start, first=True, policy=policy)
     finished = start >= config.steps

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import math
 import numbers
 import os
 import re
@@ -277,47 +278,66 @@ def kv_bytes_per_token(config) -> int:
     return 2 * text.num_hidden_layers * kv_heads * head_size * 2
 
 
+def share_ceiling(weights: int, total_bytes: int, trainer_bytes: int | None) -> float:
+    """The most of a GPU of ``total_bytes`` the engine may claim: what the trainer's resident
+    ``trainer_bytes`` (None: a bf16 copy of the ``weights``, as the LoRA policy holds) and the
+    headroom leave."""
+    trainer = weights if trainer_bytes is None else trainer_bytes
+    return 1.0 - GPU_HEADROOM - trainer / total_bytes
+
+
+def check_requested_share(requested, ceiling: float) -> None:
+    """A --gpu-memory-utilization above what the trainer leaves free is a one-line error."""
+    if requested is not None and requested > ceiling:
+        raise CheckError(
+            f"--gpu-memory-utilization {requested} is more than the GPU has free beside the "
+            f"trainer: pass at most {math.floor(ceiling * 100) / 100:.2f}, or leave it unset"
+        )
+
+
 def engine_sequences(
     config,
+    *,
     max_model_len: int,
     step_sequences: int,
     total_bytes: int,
-    requested=None,
+    requested: float | None = None,
     trainer_bytes: int | None = None,
 ) -> int:
     """How many of one step's ``step_sequences`` the engine holds at once on a GPU of
     ``total_bytes``, each with ``max_model_len`` tokens of KV cache: all of them when they fit
-    beside the trainer's bf16 weights, else as many as fit. vLLM then samples the step in waves:
-    it queues the rest and starts one as soon as a running sequence ends, so no sequence is
-    preempted and recomputed. ``requested`` (--gpu-memory-utilization) or None: the engine's
-    share, else the most it may take beside the trainer's ``trainer_bytes`` (None: a bf16 copy of
-    the weights, as the LoRA policy holds). Raises a one-line CheckError when not one fits.
+    beside the trainer, else as many as fit. vLLM then samples the step in waves: it queues the
+    rest and starts one as soon as a running sequence ends, so no sequence is preempted and
+    recomputed. ``requested`` (--gpu-memory-utilization) or None: the engine's share, else the
+    most it may take beside the trainer's resident ``trainer_bytes`` (``share_ceiling``).
+    Raises a one-line CheckError when not one sequence fits, naming the fix.
 
     >>> from transformers import Qwen2Config  # Qwen2.5-Math-7B's shape
     >>> seven_b = Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
     ...     num_key_value_heads=4, intermediate_size=18944, vocab_size=152064)
-    >>> engine_sequences(seven_b, 2048, 64, 80 * 10**9)  # the paper's step: all at once
+    >>> engine_sequences(seven_b, max_model_len=2048, step_sequences=64, total_bytes=80 * 10**9)
     64
-    >>> engine_sequences(seven_b, 8192, 64, 48 * 10**9)  # R1-distill's on 48 GB: 3 waves
+    >>> engine_sequences(seven_b, max_model_len=8192, step_sequences=64, total_bytes=48 * 10**9)
     26
     """
     weights = 2 * parameter_count(config)  # the engine's bf16 copy; the trainer holds another
     per_sequence = max_model_len * kv_bytes_per_token(config)
-    trainer = weights if trainer_bytes is None else trainer_bytes
-    most = 1.0 - GPU_HEADROOM - trainer / total_bytes - SHARE_MARGIN
-    share = most if requested is None else requested - SHARE_MARGIN
+    ceiling = share_ceiling(weights, total_bytes, trainer_bytes)
+    check_requested_share(requested, ceiling)
+    share = (ceiling if requested is None else requested) - SHARE_MARGIN
     fit = int((share * total_bytes - weights - ENGINE_OVERHEAD_BYTES) // per_sequence)
     if fit >= 1:
         return min(step_sequences, fit)
-    one = (weights + ENGINE_OVERHEAD_BYTES + per_sequence) / total_bytes + SHARE_MARGIN
-    if requested is not None and one <= most + SHARE_MARGIN:
+    share_for_one = (weights + ENGINE_OVERHEAD_BYTES + per_sequence) / total_bytes + SHARE_MARGIN
+    share_for_one = math.ceil(share_for_one * 100) / 100
+    if requested is not None and share_for_one <= ceiling:
         raise CheckError(
             f"--gpu-memory-utilization {requested} leaves the engine no room for one sequence of "
-            f"{max_model_len} tokens beside its weights: pass {one:.2f} or more"
+            f"{max_model_len} tokens beside its weights: pass {share_for_one:.2f} or more"
         )
     raise CheckError(
         f"the engine's bf16 weights ({weights / 1e9:.1f} GB) and the KV cache of one sequence of "
-        f"{max_model_len} tokens do not fit beside the trainer's weights on this "
+        f"{max_model_len} tokens do not fit beside the trainer on this "
         f"{total_bytes / 1e9:.0f} GB GPU: lower --max-seq-len, use a larger GPU, or pass "
         "--backend hf (it samples with the trainer's own model)"
     )
@@ -325,46 +345,51 @@ def engine_sequences(
 
 def cuda_memory_share(
     config,
+    *,
     max_model_len: int,
     max_num_seqs: int,
-    requested,
+    requested: float | None,
     total_bytes: int,
     trainer_bytes: int | None = None,
-):
+) -> float:
     """The engine's share of a GPU of ``total_bytes`` that holds ``max_num_seqs`` sequences of
-    ``max_model_len`` tokens in its KV cache at once (``engine_sequences`` says how many).
-    ``requested`` (--gpu-memory-utilization) or None: the default 0.3, raised as far as the
-    sequences need. Raises a one-line CheckError naming the share that would fit when the
-    requested one is too small, or when nothing fits beside the trainer's ``trainer_bytes``
-    (None: a bf16 copy of the weights).
+    ``max_model_len`` tokens in its KV cache at once (``engine_sequences`` says how many): its
+    bytes' share plus ``SHARE_MARGIN``. ``requested`` (--gpu-memory-utilization) or None: the
+    default 0.3, raised as far as the sequences need. Raises a one-line CheckError when the
+    requested share is too small or too large, or when they do not fit beside the trainer's
+    resident ``trainer_bytes`` (``share_ceiling``).
 
     >>> from transformers import Qwen2Config  # Qwen2.5-Math-7B's shape, an 80 GB GPU
     >>> seven_b = Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
     ...     num_key_value_heads=4, intermediate_size=18944, vocab_size=152064)
-    >>> round(cuda_memory_share(seven_b, 2048, 64, None, 80 * 10**9), 2)  # the paper's step
+    >>> share = cuda_memory_share(seven_b, max_model_len=2048, max_num_seqs=64, requested=None,
+    ...     total_bytes=80 * 10**9)
+    >>> round(share, 2)  # the paper's step
     0.32
-    >>> round(cuda_memory_share(seven_b, 8192, 64, None, 80 * 10**9), 2)  # R1-distill's
+    >>> share = cuda_memory_share(seven_b, max_model_len=8192, max_num_seqs=64, requested=None,
+    ...     total_bytes=80 * 10**9)
+    >>> round(share, 2)  # R1-distill's
     0.6
     """
     kv_bytes = max_num_seqs * max_model_len * kv_bytes_per_token(config)
     weights = 2 * parameter_count(config)  # the engine's bf16 copy; the trainer holds another
-    needed = (weights + ENGINE_OVERHEAD_BYTES + kv_bytes) / total_bytes
-    trainer = weights if trainer_bytes is None else trainer_bytes
-    most = 1.0 - GPU_HEADROOM - trainer / total_bytes
-    step = f"{max_num_seqs} sequences of {max_model_len} tokens"
-    if requested is not None and requested < needed:
+    claim = (weights + ENGINE_OVERHEAD_BYTES + kv_bytes) / total_bytes + SHARE_MARGIN
+    ceiling = share_ceiling(weights, total_bytes, trainer_bytes)
+    check_requested_share(requested, ceiling)
+    sequences = f"{max_num_seqs} sequences of {max_model_len} tokens"
+    if requested is not None and requested < claim:
         raise CheckError(
-            f"--gpu-memory-utilization {requested} is too small for {step} "
+            f"--gpu-memory-utilization {requested} is too small for {sequences} "
             f"({kv_bytes / 2**30:.1f} GiB of KV cache): "
-            f"pass {min(needed + SHARE_MARGIN, most):.2f}, or lower --max-seq-len"
+            f"pass {math.ceil(claim * 100) / 100:.2f}, or lower --max-seq-len"
         )
-    if needed > most:
+    if claim > ceiling:
         raise CheckError(
-            f"{step} need a {kv_bytes / 2**30:.1f} GiB KV cache, more than the GPU holds beside "
-            f"the trainer (the engine would need {needed:.2f} of it, at most {most:.2f} is free): "
-            "lower --rollouts, --prompts-per-step or --max-seq-len"
+            f"{sequences} need a {kv_bytes / 2**30:.1f} GiB KV cache, more than the GPU holds "
+            f"beside the trainer (the engine would need {claim:.2f} of it, at most "
+            f"{ceiling:.2f} is free): lower --rollouts, --prompts-per-step or --max-seq-len"
         )
-    return requested if requested is not None else max(0.3, needed + SHARE_MARGIN)
+    return requested if requested is not None else min(max(0.3, claim), ceiling)
 
 
 def parameter_count(config) -> int:
@@ -376,30 +401,40 @@ def parameter_count(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def engine_share(config, max_model_len: int, llm_kwargs: dict, requested, default: float):
+def engine_share(
+    config,
+    *,
+    max_model_len: int,
+    llm_kwargs: dict,
+    requested: float | None,
+    default: float,
+    trainer_bytes: int | None = None,
+) -> tuple[float, dict]:
     """The share of the GPU the engine gets and its batch limits. The trainer's engine (its
-    step's limits in ``llm_kwargs``) holds as many of the step's sequences as fit
-    (``engine_sequences``; the rest wait for a free slot) and claims what they need
-    (``cuda_memory_share``). A standalone engine (evaluate.py) gets what was requested."""
+    step's limits in ``llm_kwargs``) holds as many of the step's sequences as fit beside the
+    trainer's resident ``trainer_bytes`` (None: what is allocated now) (``engine_sequences``;
+    the rest wait for a free slot) and claims what they need (``cuda_memory_share``). A
+    standalone engine (evaluate.py) gets what was requested."""
     if "max_num_seqs" not in llm_kwargs:  # a standalone engine batches as it can
         return requested or default, llm_kwargs
     total = torch.cuda.get_device_properties(0).total_memory
-    trainer = torch.cuda.memory_allocated() or None  # the trainer's model, loaded already
-    step = llm_kwargs["max_num_seqs"]
+    if trainer_bytes is None:
+        trainer_bytes = torch.cuda.memory_allocated() or None
+    step_sequences = llm_kwargs["max_num_seqs"]
     at_once = engine_sequences(
         config,
         max_model_len=max_model_len,
-        step_sequences=step,
+        step_sequences=step_sequences,
         total_bytes=total,
         requested=requested,
-        trainer_bytes=trainer,
+        trainer_bytes=trainer_bytes,
     )
-    if at_once < step:
-        waves = -(-step // at_once)
+    if at_once < step_sequences:
+        waves = -(-step_sequences // at_once)
         print(
-            f"[engine] one step's {step} sequences of {max_model_len} tokens do not fit in the "
-            f"KV cache at once: the engine holds {at_once} and samples the step in about {waves} "
-            "waves (docs/gpu.md)"
+            f"[engine] one step's {step_sequences} sequences of {max_model_len} tokens do not "
+            f"fit in the KV cache at once: the engine holds {at_once} and samples the step in "
+            f"about {waves} waves (docs/gpu.md)"
         )
     share = cuda_memory_share(
         config,
@@ -407,6 +442,6 @@ def engine_share(config, max_model_len: int, llm_kwargs: dict, requested, defaul
         max_num_seqs=at_once,
         requested=requested,
         total_bytes=total,
-        trainer_bytes=trainer,
+        trainer_bytes=trainer_bytes,
     )
     return share, {**llm_kwargs, "max_num_seqs": at_once}

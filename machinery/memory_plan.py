@@ -491,7 +491,7 @@ def engine_line(result: dict, config) -> str:
         return "none: --backend hf samples with the trainer's own model"
     weights = f"weights {result['engine_weights_gb']:.2f} GB"
     if result["engine_share"] is None:
-        return f"{result['engine_needs_gb']:7.2f} GB ({weights}): no room for one sequence's cache"
+        return f"{result['engine_needs_gb']:7.2f} GB ({weights}): no share fits (see the verdict)"
     waves = result["rollout_waves"]
     held = f"{result['engine_sequences_at_once']} sequences at once"
     held += f", the step in {waves} waves" if waves > 1 else " (the whole step)"

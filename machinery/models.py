@@ -168,6 +168,25 @@ def make_optimizer(model, lr: float, weight_decay: float, total_steps: int, warm
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
+def resident_bytes(*models) -> int:
+    """What the trainer keeps on its device between steps: each model's weights and buffers (a
+    LoRA reference is the policy with its adapters off, no copy) and AdamW's two moments per
+    trained parameter, in its dtype, whether or not a first step has made them yet (a fresh run
+    and a resumed one count the same).
+
+    >>> layer = torch.nn.Linear(4, 2)  # 10 float32 parameters, trained
+    >>> resident_bytes(layer, None)  # 40 bytes of weights, 80 of moments
+    120
+    """
+    storages, moments = {}, 0
+    for model in (m for m in models if m is not None):
+        for tensor in (*model.parameters(), *model.buffers()):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        trained = (p for p in model.parameters() if p.requires_grad)
+        moments += sum(2 * p.numel() * p.element_size() for p in trained)
+    return sum(storages.values()) + moments
+
+
 def full_finetune_bytes(
     num_parameters: int,
     dtype_bytes: int,

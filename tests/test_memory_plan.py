@@ -3,6 +3,7 @@ counted the same way, --plan-memory prints a verdict and a JSON line from config
 CUDA run that cannot fit is refused before the model loads, and a CPU torch beside an NVIDIA GPU
 is refused."""
 
+import copy
 import json
 import os
 
@@ -145,9 +146,14 @@ def test_a_step_whose_kv_cache_does_not_fit_samples_in_waves(tmp_path):
     assert awake <= (1 - engine_checks.GPU_HEADROOM) * 48e9 < awake + per_sequence + 0.01 * 48e9
     assert engine["share"] * 48e9 >= engine["weights"] + engine["working"] + engine["kv_cache"]
     # One more sequence would not fit: the count is the largest.
-    more = engine_checks.cuda_memory_share
-    with pytest.raises(engine_checks.CheckError):
-        more(model_config, 8192, engine["sequences"] + 2, None, 48 * 10**9)
+    with pytest.raises(engine_checks.CheckError, match="more than the GPU holds"):
+        engine_checks.cuda_memory_share(
+            model_config,
+            max_model_len=8192,
+            max_num_seqs=engine["sequences"] + 1,
+            requested=None,
+            total_bytes=48 * 10**9,
+        )
     paper_run = sage.Config(model=str(tmp_path), max_seq_len=2048)
     engine, _ = memory_plan.engine_share(model_config, paper_run, card_bytes=80 * 10**9)
     assert engine["sequences"] == 64
@@ -159,13 +165,71 @@ def test_the_trainers_engine_is_given_the_waves_it_can_hold(monkeypatch, capsys)
     model_config = Qwen2Config(**SEVEN_B_SHAPE)
     card = type("Card", (), {"total_memory": 48 * 10**9})
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
+    trainer_bytes = 2 * engine_checks.parameter_count(model_config)  # the LoRA policy's bf16
     limits = {"max_num_seqs": 64, "max_num_batched_tokens": 8192}
-    share, kwargs = engine_checks.engine_share(model_config, 8192, limits, None, 0.3)
-    at_once = engine_checks.engine_sequences(model_config, 8192, 64, 48 * 10**9)
+    share, kwargs = engine_checks.engine_share(
+        model_config,
+        max_model_len=8192,
+        llm_kwargs=limits,
+        requested=None,
+        default=0.3,
+        trainer_bytes=trainer_bytes,
+    )
+    at_once = engine_checks.engine_sequences(
+        model_config, max_model_len=8192, step_sequences=64, total_bytes=48 * 10**9
+    )
     assert kwargs == {"max_num_seqs": at_once, "max_num_batched_tokens": 8192} and at_once < 64
     assert f"holds {at_once} and samples the step in about 3 waves" in capsys.readouterr().out
     assert 0.3 < share < 0.95
-    assert engine_checks.engine_share(model_config, 8192, {}, None, 0.9) == (0.9, {})
+    standalone = engine_checks.engine_share(
+        model_config, max_model_len=8192, llm_kwargs={}, requested=None, default=0.9
+    )
+    assert standalone == (0.9, {})
+
+
+def test_a_requested_share_too_small_or_too_large_names_the_share_that_works():
+    """--gpu-memory-utilization for R1-distill's length on 48 GB: too small for one sequence,
+    the error names a share that is then accepted; above what the trainer leaves free, it names
+    the most that is; in between, the engine holds what the share's cache fits."""
+    model_config = Qwen2Config(**SEVEN_B_SHAPE)
+    sizing = dict(max_model_len=8192, step_sequences=64, total_bytes=48 * 10**9)
+    for requested in (0.3, 0.37, 0.375):
+        with pytest.raises(engine_checks.CheckError, match=r"pass (\d\.\d\d) or more") as small:
+            engine_checks.engine_sequences(model_config, requested=requested, **sizing)
+        suggested = float(small.value.args[0].split("pass ")[1].split(" ")[0])
+        assert engine_checks.engine_sequences(model_config, requested=suggested, **sizing) >= 1
+    with pytest.raises(engine_checks.CheckError, match=r"pass at most (\d\.\d\d)") as large:
+        engine_checks.engine_sequences(model_config, requested=0.9, **sizing)
+    most = float(large.value.args[0].split("at most ")[1].split(",")[0])
+    fit = engine_checks.engine_sequences(model_config, requested=most, **sizing)
+    default = engine_checks.engine_sequences(model_config, **sizing)
+    assert default - 1 <= fit <= default  # (the most is rounded down to a hundredth)
+    assert 1 <= engine_checks.engine_sequences(model_config, requested=0.5, **sizing) < fit
+
+
+def test_the_trainers_resident_bytes_count_adamws_moments_before_they_exist(tiny):
+    """models.resident_bytes (what the engine is sized beside) is the same before the first
+    AdamW step and after it, when the moments are there to count."""
+    from machinery import models
+
+    model, _ = tiny
+    policy, reference = models.make_policy(
+        copy.deepcopy(model), full_finetune=False, lora_rank=4, lora_alpha=8, with_reference=True
+    )
+    optimizer, _ = models.make_optimizer(
+        policy, lr=1e-3, weight_decay=0.0, total_steps=10, warmup_steps=0
+    )
+    before = models.resident_bytes(policy, reference)
+    for parameter in policy.parameters():
+        if parameter.requires_grad:
+            parameter.grad = torch.ones_like(parameter)
+    optimizer.step()
+    weights = {t.untyped_storage().data_ptr(): t for t in [*policy.parameters(), *policy.buffers()]}
+    counted = sum(t.untyped_storage().nbytes() for t in weights.values())
+    for state in optimizer.state.values():
+        counted += state["exp_avg"].nbytes + state["exp_avg_sq"].nbytes
+    assert before == counted == models.resident_bytes(policy, reference)
+    assert reference is None  # LoRA: the reference is the policy with its adapters off
 
 
 def test_a_cpu_torch_beside_an_nvidia_gpu_is_refused(monkeypatch):
