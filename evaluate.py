@@ -46,7 +46,7 @@ from machinery.task import (
 )
 
 
-class EvalError(ValueError):
+class EvalError(cli.UsageError):
     """A user-facing problem (bad input, missing data): the CLI prints it as one line."""
 
 
@@ -523,9 +523,21 @@ def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
     return results
 
 
+def check_solutions(benchmarks: dict, solution_key: str, flag: str = "--solution-key") -> None:
+    """With ``solution_key`` named, every benchmark of {name: problems} must hold a reference
+    solution in that field, the support probe's input: else one line naming ``flag``."""
+    for name, problems in benchmarks.items():
+        if solution_key and not any(problem.solution for problem in problems):
+            raise EvalError(
+                f"{flag} {solution_key}: no problem of {name} has a reference solution in that "
+                "field; name the field that holds one"
+            )
+
+
 def probe_benchmarks(args: EvalArgs, benchmarks: dict, results: dict) -> None:
     """The support probe (section 3) of the model (its adapter merged) on each benchmark of
     {name: problems}, at the evaluation's temperature and min-p, into ``results``."""
+    check_solutions(benchmarks, args.solution_key)  # before the model loads
     if args.adapter:
         model = files.load_merged_model(args.model, args.adapter, args.dtype)
     else:
@@ -534,15 +546,10 @@ def probe_benchmarks(args: EvalArgs, benchmarks: dict, results: dict) -> None:
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     for name, problems in benchmarks.items():
-        probed = support_probe(
+        summary, _ = support_probe(
             model, tokenizer, problems, temperature=args.temperature, min_p=args.min_p
         )
-        if probed is None:
-            raise EvalError(
-                f"--solution-key {args.solution_key}: no problem of {name} has a reference "
-                "solution in that field; name the field that holds one"
-            )
-        results["benchmarks"][name]["support"] = probed[0]
+        results["benchmarks"][name]["support"] = summary
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

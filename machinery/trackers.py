@@ -113,7 +113,8 @@ def eval_benchmarks(config) -> dict:
     benchmarks when it is on). With --eval-solution-key every benchmark must hold a reference
     solution in that field, the support probe's input: else one line naming the flag.
     Loaded before the run directory is written, so a bad file leaves nothing behind."""
-    from machinery.data import DataError, resolve_benchmarks
+    from evaluate import check_solutions
+    from machinery.data import resolve_benchmarks
 
     if config.eval.eval_every <= 0:
         return {}
@@ -123,13 +124,7 @@ def eval_benchmarks(config) -> dict:
         group_key=config.eval.eval_group_key,
     )
     benchmarks = {name: problems for name, (_, problems) in resolved.items()}
-    for name, problems in benchmarks.items():
-        if config.eval.eval_solution_key and not any(p.solution for p in problems):
-            raise DataError(
-                f"--eval-solution-key {config.eval.eval_solution_key}: no problem of {name} has "
-                "a reference solution in that field; name the field that holds one, or drop the "
-                "flag"
-            )
+    check_solutions(benchmarks, config.eval.eval_solution_key, flag="--eval-solution-key")
     return benchmarks
 
 
