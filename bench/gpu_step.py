@@ -41,16 +41,8 @@ import guides  # noqa: E402
 import loss  # noqa: E402
 import sage  # noqa: E402
 from bench import common  # noqa: E402
-from machinery import models  # noqa: E402
+from machinery import memory_plan, models  # noqa: E402
 
-QWEN25_MATH_7B = dict(
-    hidden_size=3584,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    intermediate_size=18944,
-    vocab_size=152064,
-)
 SMALL = dict(
     hidden_size=256,
     num_hidden_layers=2,
@@ -156,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     for key, value in (small if args.small else paper).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    shape = SMALL if args.small else QWEN25_MATH_7B
+    shape = SMALL if args.small else memory_plan.QWEN25_MATH_7B
 
     device, dtype = models.device_and_dtype()
     torch.manual_seed(0)

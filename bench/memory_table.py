@@ -3,10 +3,10 @@ fits and the run's forecast peak, for the paper's 7B shape (Qwen2.5-Math-7B; the
 has the same shape) and sage.py's defaults (8 x 8 sequences, prompts of up to 512 tokens, LoRA
 rank 8, gradient checkpointing).
 
-The update is simulated once per length and micro-batch (``memory_plan.simulate_update``, a
-minute each at the 7B shape on a laptop CPU); the engine's share is worked out per card
-(``memory_plan.engine_share``). A micro-batch fits a card when the update's peak (the engine
-asleep) and the trainer's resident weights beside the awake engine both fit its usable memory.
+The update is simulated once per length and micro-batch (``memory_plan.simulate_update``, up
+to a minute each at the 7B shape on a laptop CPU); each card's verdict is ``memory_plan.plan``'s
+on that simulation: a micro-batch fits when the update's peak (the engine asleep) and the
+trainer's resident bytes beside the awake engine both fit the card's usable memory.
 
     python bench/memory_table.py                      # 2,048 and 8,192 tokens, 5 cards
     python bench/memory_table.py --lengths 1024 --micro-batches 1,2   # a quick look
@@ -19,6 +19,7 @@ update_peak_gb (per length, per micro-batch).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -30,37 +31,28 @@ from transformers import Qwen2Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import sage  # noqa: E402
-from machinery import engine_checks, memory_plan  # noqa: E402
-
-SEVEN_B = dict(  # Qwen2.5-Math-7B and DeepSeek-R1-Distill-Qwen-7B
-    hidden_size=3584,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    intermediate_size=18944,
-    vocab_size=152064,
-    max_position_embeddings=32768,
-    tie_word_embeddings=False,
-)
+from machinery import memory_plan  # noqa: E402
 
 
-def card_row(model_config, config, card_gb: float, update_peaks: dict, resident: int) -> dict:
-    """One card's verdict at one length: the largest simulated micro-batch that fits."""
-    card_bytes = int(card_gb * 1e9)
-    usable = int((1 - engine_checks.GPU_HEADROOM) * card_bytes)
-    engine, problem = memory_plan.engine_share(model_config, config, card_bytes, resident)
-    awake = resident + (engine["share"] or 0.0) * card_bytes
-    fitting = [size for size, peak in update_peaks.items() if peak <= usable]
-    largest = max(fitting) if fitting and not problem and awake <= usable else None
-    sequences = config.prompts_per_step * config.rollouts
+def card_row(config, card_gb: float, updates: dict, sage) -> dict:
+    """One card's verdict at one length: the largest simulated micro-batch whose plan fits
+    (``memory_plan.plan`` on the update simulated already)."""
+    for size in sorted(updates, reverse=True):
+        trial = dataclasses.replace(config, micro_batch_size=size)
+        result = memory_plan.plan(
+            trial, card_bytes=int(card_gb * 1e9), sage=sage, search=False, update=updates[size]
+        )
+        if result["fits"]:
+            break
+    fits = result["fits"]
     return {
         "length": config.max_seq_len,
         "card_gb": card_gb,
-        "largest_micro_batch": largest,
-        "run_peak_gb": round(max(update_peaks[largest], awake) / 1e9, 1) if largest else None,
-        "engine_sequences_at_once": engine["sequences"],
-        "rollout_waves": -(-sequences // engine["sequences"]) if engine["sequences"] else None,
-        "engine_problem": problem or None,
+        "largest_micro_batch": result["micro_batch_size"] if fits else None,
+        "run_peak_gb": result["run_peak_gb"] if fits else None,
+        "engine_sequences_at_once": result["engine_sequences_at_once"],
+        "rollout_waves": result["rollout_waves"],
+        "engine_problem": result["engine_problem"],
     }
 
 
@@ -107,20 +99,20 @@ def main(argv=None) -> dict:
     started = time.perf_counter()
     rows, update_peaks = [], {}
     with tempfile.TemporaryDirectory() as folder:
-        Qwen2Config(**SEVEN_B).save_pretrained(folder)
+        shape = {**memory_plan.QWEN25_MATH_7B, "max_position_embeddings": 32768}  # 8,192 tokens
+        Qwen2Config(**shape, tie_word_embeddings=False).save_pretrained(folder)
         model_config = memory_plan.read_model_config(folder)
         for length in lengths:
             config = sage.Config(model=folder, max_seq_len=length)
             dtype = memory_plan.trainer_dtype(config, "cuda")
-            peaks, resident = {}, 0
+            updates = {}
             for size in micro_batches:
-                trial = sage.Config(model=folder, max_seq_len=length, micro_batch_size=size)
-                update = memory_plan.simulate_update(model_config, trial, dtype, sage)
-                peaks[size], resident = update["peak"], update["resident"]
-                gigabytes = peaks[size] / 1e9
+                trial = dataclasses.replace(config, micro_batch_size=size)
+                updates[size] = memory_plan.simulate_update(model_config, trial, dtype, sage)
+                gigabytes = updates[size]["peak"] / 1e9
                 print(f"length {length}, micro-batch {size}: {gigabytes:.1f} GB", flush=True)
-            update_peaks[length] = peaks
-            rows += [card_row(model_config, config, card, peaks, resident) for card in cards]
+            update_peaks[length] = {size: update["peak"] for size, update in updates.items()}
+            rows += [card_row(config, card, updates=updates, sage=sage) for card in cards]
     print(markdown(rows, update_peaks))
     result = {
         "rows": rows,

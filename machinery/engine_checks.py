@@ -401,6 +401,37 @@ def parameter_count(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def size_engine(
+    config,
+    *,
+    max_model_len: int,
+    step_sequences: int,
+    total_bytes: int,
+    requested: float | None,
+    trainer_bytes: int | None,
+) -> tuple[int, float]:
+    """(sequences the engine holds at once, its share of the GPU): as many of the step's as fit
+    beside the trainer (``engine_sequences``) and the share they need (``cuda_memory_share``).
+    Both the engine and the memory plan size it here."""
+    sizing = dict(
+        max_model_len=max_model_len,
+        total_bytes=total_bytes,
+        requested=requested,
+        trainer_bytes=trainer_bytes,
+    )
+    at_once = engine_sequences(config, step_sequences=step_sequences, **sizing)
+    return at_once, cuda_memory_share(config, max_num_seqs=at_once, **sizing)
+
+
+def rollout_waves(step_sequences: int, at_once: int) -> int:
+    """The waves in which a step's sequences pass through an engine holding ``at_once``.
+
+    >>> rollout_waves(64, 26)
+    3
+    """
+    return -(-step_sequences // at_once)
+
+
 def engine_share(
     config,
     *,
@@ -412,36 +443,25 @@ def engine_share(
 ) -> tuple[float, dict]:
     """The share of the GPU the engine gets and its batch limits. The trainer's engine (its
     step's limits in ``llm_kwargs``) holds as many of the step's sequences as fit beside the
-    trainer's resident ``trainer_bytes`` (None: what is allocated now) (``engine_sequences``;
-    the rest wait for a free slot) and claims what they need (``cuda_memory_share``). A
-    standalone engine (evaluate.py) gets what was requested."""
+    trainer's resident ``trainer_bytes`` (None: what is allocated now); the rest wait for a free
+    slot (``size_engine``). A standalone engine (evaluate.py) gets what was requested."""
     if "max_num_seqs" not in llm_kwargs:  # a standalone engine batches as it can
         return requested or default, llm_kwargs
-    total = torch.cuda.get_device_properties(0).total_memory
     if trainer_bytes is None:
         trainer_bytes = torch.cuda.memory_allocated() or None
     step_sequences = llm_kwargs["max_num_seqs"]
-    at_once = engine_sequences(
+    at_once, share = size_engine(
         config,
         max_model_len=max_model_len,
         step_sequences=step_sequences,
-        total_bytes=total,
+        total_bytes=torch.cuda.get_device_properties(0).total_memory,
         requested=requested,
         trainer_bytes=trainer_bytes,
     )
     if at_once < step_sequences:
-        waves = -(-step_sequences // at_once)
         print(
             f"[engine] one step's {step_sequences} sequences of {max_model_len} tokens do not "
             f"fit in the KV cache at once: the engine holds {at_once} and samples the step in "
-            f"about {waves} waves (docs/gpu.md)"
+            f"about {rollout_waves(step_sequences, at_once)} waves (docs/gpu.md)"
         )
-    share = cuda_memory_share(
-        config,
-        max_model_len=max_model_len,
-        max_num_seqs=at_once,
-        requested=requested,
-        total_bytes=total,
-        trainer_bytes=trainer_bytes,
-    )
     return share, {**llm_kwargs, "max_num_seqs": at_once}

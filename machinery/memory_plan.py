@@ -41,6 +41,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 CARDS_GB = (24, 40, 48, 80, 141)
+# The paper's model, Qwen2.5-Math-7B (DeepSeek-R1-Distill-Qwen-7B has the same shape): the
+# Qwen2Config arguments of its architecture, for building it on the meta device or at random.
+QWEN25_MATH_7B = dict(
+    hidden_size=3584,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    intermediate_size=18944,
+    vocab_size=152064,
+)
 DEFAULT_CARD_GB = 80
 UNCOUNTED = "allocator rounding, fragmentation and CUDA workspaces are not counted"
 
@@ -315,36 +325,29 @@ def engine_share(
     model_config, config, card_bytes: int, trainer_bytes: int | None = None
 ) -> tuple[dict, str]:
     """The engine's bytes (weights, working memory, the KV cache of the sequences it holds at
-    once), how many of the step's sequences that is, the share of the card it claims beside the
-    trainer's resident ``trainer_bytes``, and the reason it cannot have one ("" when it can)."""
+    once), how many of the step's sequences that is and in how many waves a step samples, the
+    share of the card it claims beside the trainer's resident ``trainer_bytes`` (sized as the
+    engine sizes itself: ``engine_checks.size_engine``), and the reason it cannot have one (""
+    when it can)."""
     import rollout
     from machinery import engine_checks
 
     if config.backend != "vllm":  # the HF backend samples from the trainer's own model
         engine = {"weights": 0, "working": 0, "kv_cache": 0, "share": 0.0, "sequences": 0}
-        return engine, ""
+        return {**engine, "waves": None}, ""
     limits = rollout.engine_limits(
         prompts_per_call=config.prompts_per_step,
         n=config.rollouts,
         max_prompt_len=config.max_prompt_len,
         max_model_len=config.max_seq_len,
     )
-    requested = config.gpu_memory_utilization or None
     try:
-        sequences = engine_checks.engine_sequences(
+        sequences, share = engine_checks.size_engine(
             model_config,
             max_model_len=config.max_seq_len,
             step_sequences=limits["max_num_seqs"],
             total_bytes=card_bytes,
-            requested=requested,
-            trainer_bytes=trainer_bytes,
-        )
-        share = engine_checks.cuda_memory_share(
-            model_config,
-            max_model_len=config.max_seq_len,
-            max_num_seqs=sequences,
-            requested=requested,
-            total_bytes=card_bytes,
+            requested=config.gpu_memory_utilization or None,
             trainer_bytes=trainer_bytes,
         )
         reason = ""
@@ -357,6 +360,9 @@ def engine_share(
         "kv_cache": sequences * config.max_seq_len * per_token,
         "share": share,
         "sequences": sequences,
+        "waves": engine_checks.rollout_waves(limits["max_num_seqs"], sequences)
+        if sequences
+        else None,
     }
     return engine, reason
 
@@ -377,14 +383,16 @@ def largest_fitting_micro_batch(model_config, config, dtype, usable: int, sage) 
     return best
 
 
-def plan(config, card_bytes: int, sage, search: bool = True) -> dict:
+def plan(config, card_bytes: int, sage, search: bool = True, update: dict | None = None) -> dict:
     """The forecast of a run on a card of ``card_bytes``: the update's peak, the engine's share,
-    the run's peak, the verdict, and (``search``) the largest micro-batch that fits."""
+    the run's peak, the verdict, and (``search``) the largest micro-batch that fits. ``update``:
+    this config's ``simulate_update``, if made already (one simulation serves every card)."""
     from machinery import engine_checks
 
     model_config = read_model_config(config.model)
     dtype = trainer_dtype(config, "cuda")
-    update = simulate_update(model_config, config, dtype, sage)
+    if update is None:
+        update = simulate_update(model_config, config, dtype, sage)
     engine, engine_reason = engine_share(model_config, config, card_bytes, update["resident"])
     usable = int((1 - engine_checks.GPU_HEADROOM) * card_bytes)
     awake = update["resident"] + (engine["share"] or 0.0) * card_bytes
@@ -410,7 +418,7 @@ def plan(config, card_bytes: int, sage, search: bool = True) -> dict:
         ),
         "engine_share": engine["share"] and round(engine["share"], 2),
         "engine_sequences_at_once": engine["sequences"],
-        "rollout_waves": -(-sequences // engine["sequences"]) if engine["sequences"] else None,
+        "rollout_waves": engine["waves"],
         "run_peak_gb": gigabytes(run_peak / 1e9),
         "usable_gb": gigabytes(usable / 1e9),
         "largest_micro_batch": largest,

@@ -25,14 +25,7 @@ TINY_SHAPE = dict(
     tie_word_embeddings=False,
 )
 SEVEN_B_SHAPE = dict(  # Qwen2.5-Math-7B
-    hidden_size=3584,
-    num_hidden_layers=28,
-    num_attention_heads=28,
-    num_key_value_heads=4,
-    intermediate_size=18944,
-    vocab_size=152064,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
+    **memory_plan.QWEN25_MATH_7B, max_position_embeddings=4096, tie_word_embeddings=False
 )
 TINY_RUN = ["--prompts-per-step", "2", "--rollouts", "4", "--max-seq-len", "160"]
 TINY_RUN += ["--max-prompt-len", "32"]

@@ -253,15 +253,10 @@ def test_full_finetune_of_a_7b_model_is_refused_before_loading_anything(tmp_path
     weights)."""
     from transformers import Qwen2Config
 
-    Qwen2Config(
-        hidden_size=3584,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        intermediate_size=18944,
-        vocab_size=152064,
-        tie_word_embeddings=False,
-    ).save_pretrained(tmp_path / "7b")
+    from machinery import memory_plan
+
+    seven_b = Qwen2Config(**memory_plan.QWEN25_MATH_7B, tie_word_embeddings=False)
+    seven_b.save_pretrained(tmp_path / "7b")
     result = run_sage(
         ["--model", str(tmp_path / "7b"), "--full-finetune", "--name", "full"],
         tmp_path,
