@@ -928,11 +928,9 @@ def test_completion_logps_match_a_full_forward(tiny):
     torch.testing.assert_close(logps[0], expected[:, 0], atol=1e-5, rtol=0)
 
 
-def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(tiny):
-    """G completions of one prompt: running the prompt once and repeating its cache must change
-    nothing but the cost (log-probs, entropies and the gradient through the prompt positions)."""
-    import random
-
+def perturbed_lora(tiny):
+    """The tiny model with LoRA adapters whose B is random (the adapters change the output), in
+    train mode."""
     from machinery import models
 
     model = models.wrap_lora(copy.deepcopy(tiny[0]), rank=4, alpha=8)
@@ -940,7 +938,25 @@ def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(ti
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(generator=torch.Generator().manual_seed(len(name)))
-    model.train()
+    return model.train()
+
+
+def logps_entropies_and_gradients(model, batch: dict, fast: bool = True):
+    """loss.completion_logps of ``batch`` (temperature 0.8, min-p 0.05) and the trained
+    parameters' gradients of the completion tokens' summed log-probs."""
+    logps, entropies = loss.completion_logps(model, batch, temperature=0.8, min_p=0.05, fast=fast)
+    (logps * batch["completion_mask"]).sum().backward()
+    gradients = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+    return logps.detach(), entropies, gradients
+
+
+def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(tiny):
+    """G completions of one prompt: running the prompt once and repeating its cache must change
+    nothing but the cost (log-probs, entropies and the gradient through the prompt positions)."""
+    import random
+
+    model = perturbed_lora(tiny)
     rng, prompts, completions = random.Random(0), [], []
     for _ in range(3):
         prompt = [
@@ -953,16 +969,7 @@ def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(ti
     for group_size in (1, 4):
         batch = batches.collate(prompts, completions, 0, "cpu", group_size=group_size)
         assert batch["group_size"] == group_size
-        logps, entropies = loss.completion_logps(model, batch, 0.8, 0.05)
-        (logps * batch["completion_mask"]).sum().backward()
-        results.append(
-            (
-                logps.detach(),
-                entropies,
-                [p.grad.clone() for p in model.parameters() if p.requires_grad],
-            )
-        )
-        model.zero_grad()
+        results.append(logps_entropies_and_gradients(model, batch))
     mask = batch["completion_mask"].bool()
     (plain_logps, plain_entropies, plain_grads), (logps, entropies, grads) = results
     torch.testing.assert_close(logps[mask], plain_logps[mask], atol=1e-5, rtol=0)
@@ -981,25 +988,12 @@ def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(ti
 def test_the_fast_path_and_the_definition_give_the_same_logps_and_gradients(tiny, group_size):
     """loss.completion_logps has two paths, one switch (--no-fast-logprobs): the chunked kernel
     (with a group's shared prompt run once) and token_logps_and_entropies on the plain logits."""
-    from machinery import models
-
-    model = models.wrap_lora(copy.deepcopy(tiny[0]), rank=4, alpha=8)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(generator=torch.Generator().manual_seed(len(name)))
-    model.train()
+    model = perturbed_lora(tiny)
     prompts = [[11, 12, 13, 14, 15]] * 4 + [[21, 22, 23]] * 4
     completions = [[30 + i, 40 + i, 50 + i][: 1 + i % 3] for i in range(8)]
     batch = batches.collate(prompts, completions, 0, "cpu", group_size=group_size)
     assert batch["group_size"] == group_size
-    results = []
-    for fast in (True, False):
-        logps, entropies = loss.completion_logps(model, batch, 0.8, 0.05, fast=fast)
-        (logps * batch["completion_mask"]).sum().backward()
-        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
-        results.append((logps.detach(), entropies, grads))
-        model.zero_grad()
+    results = [logps_entropies_and_gradients(model, batch, fast=fast) for fast in (True, False)]
     mask = batch["completion_mask"].bool()
     (fast_logps, fast_entropies, fast_grads), (logps, entropies, grads) = results
     torch.testing.assert_close(fast_logps[mask], logps[mask], atol=1e-5, rtol=0)
