@@ -78,19 +78,21 @@ def prepare(workdir: str) -> dict[str, str]:
     }
 
 
-def sage_steps(
-    model: str, dataset: str, max_seq_len: int, steps: int, warmup: int, out: str
-) -> dict:
-    flags = f"""
+def run_flags(model: str, dataset: str, max_seq_len: int, steps: int, out: str) -> list[str]:
+    """One shape's flags, the same for both trainers (beside ``SHARED``)."""
+    return shlex.split(f"""
         --model {model}
         --dataset {dataset}
         --max-seq-len {max_seq_len}
         --steps {steps}
         --out {out}
-        --name sage
-        --gpu-memory-utilization 0.2
-    """
-    run([sys.executable, "sage.py", *shlex.split(flags), *SHARED])
+    """)
+
+
+def sage_steps(flags: list[str], warmup: int, out: str) -> dict:
+    """sage.py's mean step time, completion length and phase breakdown after ``warmup`` steps."""
+    own = ["--name", "sage", "--gpu-memory-utilization", "0.2"]
+    run([sys.executable, "sage.py", *flags, *own, *SHARED])
     with open(os.path.join(out, "sage", "metrics.jsonl")) as handle:
         rows = [json.loads(line) for line in handle][warmup:]
     breakdown = {
@@ -103,20 +105,10 @@ def sage_steps(
     }
 
 
-def trl_steps(
-    model: str, dataset: str, max_seq_len: int, steps: int, warmup: int, out: str
-) -> dict:
-    flags = f"""
-        --model {model}
-        --dataset {dataset}
-        --max-seq-len {max_seq_len}
-        --steps {steps}
-        --out {out}
-        --name trl
-        --no-use-vllm
-        --save-every {10 * steps}
-    """
-    run([sys.executable, "-m", "extras.trl_sage", *shlex.split(flags), *SHARED])
+def trl_steps(flags: list[str], steps: int, warmup: int, out: str) -> dict:
+    """TRL's (through trl_sage.py) mean step time and completion length after ``warmup`` steps."""
+    own = ["--name", "trl", "--no-use-vllm", "--save-every", str(10 * steps)]  # no checkpoints
+    run([sys.executable, "-m", "extras.trl_sage", *flags, *own, *SHARED])
     with open(os.path.join(out, "trl", "metrics.jsonl")) as handle:
         rows = [row for row in map(json.loads, handle) if "step_time" in row][warmup:]
     return {
@@ -135,12 +127,15 @@ def main() -> None:
         paths = prepare(workdir)
         for shape, max_seq_len in (("demo", 160), ("long", 96 + 128)):
             out = os.path.join(workdir, shape)
-            ours = sage_steps(
-                paths[shape], paths["dataset"], max_seq_len, args.steps, args.warmup, out
+            flags = run_flags(
+                paths[shape],
+                dataset=paths["dataset"],
+                max_seq_len=max_seq_len,
+                steps=args.steps,
+                out=out,
             )
-            theirs = trl_steps(
-                paths[shape], paths["dataset"], max_seq_len, args.steps, args.warmup, out
-            )
+            ours = sage_steps(flags, warmup=args.warmup, out=out)
+            theirs = trl_steps(flags, steps=args.steps, warmup=args.warmup, out=out)
             result[shape] = {
                 "sage_step_s": round(ours["step_s"], 4),
                 "trl_step_s": round(theirs["step_s"], 4),
