@@ -87,15 +87,33 @@ def markdown(rows: list[dict], update_peaks: dict) -> str:
     return "\n".join(lines)
 
 
+def positive_list(kind):
+    """An argparse type: "1,2,4" -> [1, 2, 4] of ``kind``, each above zero (else one line)."""
+
+    def parse(text: str) -> list:
+        try:
+            values = [kind(value) for value in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list") from None
+        if min(values) <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: every value must be above zero")
+        return values
+
+    return parse
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", default="2048,8192", help="--max-seq-len values")
-    parser.add_argument("--cards", default=",".join(map(str, memory_plan.CARDS_GB)))
-    parser.add_argument("--micro-batches", default="1,2,4,8,16,32")
+    add = parser.add_argument
+    add("--lengths", type=positive_list(int), default="2048,8192", help="--max-seq-len values")
+    cards_gb = ",".join(map(str, memory_plan.CARDS_GB))
+    add("--cards", type=positive_list(float), default=cards_gb, help="cards, in GB")
+    add("--micro-batches", type=positive_list(int), default="1,2,4,8,16,32")
     args = parser.parse_args(argv)
-    lengths = [int(value) for value in args.lengths.split(",")]
-    cards = [float(value) for value in args.cards.split(",")]
-    micro_batches = [int(value) for value in args.micro_batches.split(",")]
+    lengths, cards, micro_batches = args.lengths, args.cards, args.micro_batches
+    prompt_len = sage.Config(model="").max_prompt_len
+    if min(lengths) <= prompt_len:
+        parser.error(f"--lengths must exceed the prompts' {prompt_len} tokens")
     started = time.perf_counter()
     rows, update_peaks = [], {}
     with tempfile.TemporaryDirectory() as folder:

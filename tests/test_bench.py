@@ -1,11 +1,13 @@
 """The bench scripts run at their small shapes and print the keys their goals name, on whatever
 device is present (on a GPU node too: --small keeps the 7B shape for the GPU section's run)."""
 
+import importlib
 import json
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,6 +25,15 @@ def last_json_line(script, *args, timeout=600):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def bench_script(name: str):
+    """A bench/ script imported as a module (bench/ is not a package)."""
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(os.path.join(REPO, "bench"))
+
+
 def test_gpu_step_prints_its_keys_at_the_small_shape():
     result = last_json_line("gpu_step.py", "--small", "--repeats", "1")
     assert {"peak_memory_gb", "step_s", "tokens_per_s", "mfu", "device"} <= result.keys()
@@ -35,11 +46,7 @@ def test_gpu_step_prints_its_keys_at_the_small_shape():
 def test_memory_table_prints_the_plan_per_card(capsys):
     """docs/gpu.md's table at one short length: a 24 GB card cannot hold the engine beside the
     trainer, a 48 GB card fits with every sequence at once."""
-    sys.path.insert(0, os.path.join(REPO, "bench"))
-    try:
-        import memory_table
-    finally:
-        sys.path.remove(os.path.join(REPO, "bench"))
+    memory_table = bench_script("memory_table")
     argv = ["--lengths", "1024", "--micro-batches", "1", "--cards", "24,48"]
     result = memory_table.main(argv)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
@@ -49,3 +56,15 @@ def test_memory_table_prints_the_plan_per_card(capsys):
     assert large["engine_sequences_at_once"] == 64
     peak = result["update_peak_gb"]["1024"]["1"]
     assert 15.3 < peak <= large["run_peak_gb"] < 48 * 0.95
+
+
+def test_memory_table_refuses_bad_lists_in_one_line(capsys):
+    memory_table = bench_script("memory_table")
+    for argv, message in (
+        (["--lengths", "abc"], "'abc' is not a comma-separated list"),
+        (["--cards", "0,48"], "every value must be above zero"),
+        (["--lengths", "256"], "--lengths must exceed the prompts' 512 tokens"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            memory_table.main(argv)
+        assert stop.value.code == 2 and message in capsys.readouterr().err
