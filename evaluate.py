@@ -196,6 +196,9 @@ class EvalConfig:
     eval_group_key: str = ""
     """Field of the --eval-benchmarks files that groups the problems (e.g. easy / hard) for the
     support probe's summaries."""
+    eval_solution_format: str = "paper"
+    """paper | prefix: y* is the solution in the paper's answer format and EOS, or the field's
+    text as a completion prefix (the probe then measures log pi of that prefix)."""
 
 
 def sampling_config(sampling: EvalSampling, n: int, seed: int):
@@ -327,15 +330,23 @@ def supp_key(delta: float) -> str:
     return f"supp@{delta:g}"
 
 
-def reference_completion_ids(tokenizer, solution: str, answer: str) -> list[int]:
-    """y*: a reference solution in the paper's answer format (App. E.4) and the EOS that ends it,
-    tokenized as SFT tokenizes its targets (machinery/data.py).
+def reference_completion_ids(
+    tokenizer, solution: str, answer: str, solution_format: str = "paper"
+) -> list[int]:
+    """y*: with solution_format "paper", a reference solution in the paper's answer format (App.
+    E.4) and the EOS that ends it, tokenized as SFT tokenizes its targets (machinery/data.py);
+    with "prefix", the field's text as it is, a completion prefix (no format, no EOS): the probe
+    then measures log pi of that prefix, such as a first token.
 
     >>> from extras.demo import build_tiny_tokenizer
     >>> tokenizer = build_tiny_tokenizer()
     >>> tokenizer.decode(reference_completion_ids(tokenizer, "7+5=12", "12"))
     '<start_working_out>7+5=12<end_working_out><SOLUTION>12</SOLUTION><|im_end|>'
+    >>> tokenizer.decode(reference_completion_ids(tokenizer, "7+5", "12", solution_format="prefix"))
+    '7+5'
     """
+    if solution_format == "prefix":
+        return tokenizer(solution, add_special_tokens=False)["input_ids"]
     text = sft_completion(solution, answer)
     return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
@@ -360,8 +371,15 @@ class ReferenceLogps:
 
     token_logps: list[float]  # log pi(y*_t | x, y*_<t), temperature and min-p replayed
     token_logps_full: list[float]  # the same at temperature T without min-p (always finite)
-    entropies: list[float]  # H_t of pi_T (Eq. 12): what the branch guide reads
+    entropies: list[float]  # H_t of pi_T's full softmax (Eq. 12)
+    entropies_kept: list[float]  # H_t of its min-p truncation (what the sampler draws from)
     kept: list[bool]  # min-p keeps y*_t; one False puts y* outside the sampler's support
+
+    @property
+    def log_kept_mass(self) -> list[float]:
+        """log M_t <= 0 per token: the log of pi_T's mass that min-p keeps at y*'s position t
+        (log pi_T(y*_t) - log of its truncation's)."""
+        return [full - kept for full, kept in zip(self.token_logps_full, self.token_logps)]
 
     @property
     def logp(self) -> float:
@@ -391,10 +409,10 @@ def reference_logps(
         batch = collate(prompts[rows], completions[rows], pad_id, device)
         completion_ids, mask = batch["completion_ids"], batch["completion_mask"]  # [B, C]
         logits = fast_logprobs.completion_logits(model, batch)  # [B, C, V]
-        logps, entropies = loss.token_logps_and_entropies(
+        logps, entropies_kept = loss.token_logps_and_entropies(
             logits, completion_ids, temperature, min_p
         )
-        logps_full, _ = loss.token_logps_and_entropies(logits, completion_ids, temperature)
+        logps_full, entropies = loss.token_logps_and_entropies(logits, completion_ids, temperature)
         kept = min_p_keeps(logits, completion_ids, temperature, min_p)
         for row, length in enumerate(mask.sum(dim=1).long().tolist()):
             results.append(
@@ -402,6 +420,7 @@ def reference_logps(
                     token_logps=logps[row, :length].tolist(),
                     token_logps_full=logps_full[row, :length].tolist(),
                     entropies=entropies[row, :length].tolist(),
+                    entropies_kept=entropies_kept[row, :length].tolist(),
                     kept=kept[row, :length].tolist(),
                 )
             )
@@ -415,8 +434,8 @@ def support_summary(probes: Sequence[ReferenceLogps], groups: Sequence[str]) -> 
     ``SUPPORT_DELTAS`` (a problem outside the support counts as pi(y*) = 0) and the fraction
     outside min-p's support.
 
-    >>> inside = ReferenceLogps([-0.5, -1.0], [-0.6, -1.1], [0.1, 0.2], [True, True])
-    >>> outside = ReferenceLogps([-0.1, -9.0], [-0.1, -9.0], [0.1, 2.0], [True, False])
+    >>> inside = ReferenceLogps([-0.5, -1.0], [-0.6, -1.1], [0.1, 0.2], [0.1, 0.2], [True, True])
+    >>> outside = ReferenceLogps([-0.1, -9.0], [-0.1, -9.0], [0.1, 2.0], [0.1, 0.0], [True, False])
     >>> summary = support_summary([inside, outside], ["easy", "hard"])
     >>> summary["all"]["supp@0.1"], summary["hard"]["outside"], summary["all"]["mean_logp"]
     (0.5, 1.0, -1.5)
@@ -442,7 +461,13 @@ def support_summary(probes: Sequence[ReferenceLogps], groups: Sequence[str]) -> 
 
 
 def support_probe(
-    model, tokenizer, problems, temperature: float, min_p: float, batch_size: int = 8
+    model,
+    tokenizer,
+    problems,
+    temperature: float,
+    min_p: float,
+    batch_size: int = 8,
+    solution_format: str = "paper",
 ) -> tuple[dict, list[ReferenceLogps]] | None:
     """The support probe of a policy on the problems that have a reference solution: its
     ``support_summary`` with, per problem, log pi(y*|x) (None for -inf: outside the support),
@@ -451,7 +476,10 @@ def support_probe(
     if not with_solution:
         return None
     prompts = [build_prompt_ids(tokenizer, p.problem) for p in with_solution]
-    completions = [reference_completion_ids(tokenizer, p.solution, p.answer) for p in with_solution]
+    completions = [
+        reference_completion_ids(tokenizer, p.solution, p.answer, solution_format=solution_format)
+        for p in with_solution
+    ]
     probes = reference_logps(
         model,
         prompts,
@@ -547,7 +575,12 @@ def probe_benchmarks(args: EvalArgs, benchmarks: dict, results: dict) -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     for name, problems in benchmarks.items():
         summary, _ = support_probe(
-            model, tokenizer, problems, temperature=args.temperature, min_p=args.min_p
+            model,
+            tokenizer,
+            problems,
+            temperature=args.temperature,
+            min_p=args.min_p,
+            solution_format=args.solution_format,
         )
         results["benchmarks"][name]["support"] = summary
     del model
@@ -605,6 +638,9 @@ class EvalArgs:
     group_key: str = ""
     """Column grouping the problems (e.g. easy / hard, MATH-500's level) for the support probe's
     summaries."""
+    solution_format: str = "paper"
+    """paper | prefix: y* is the solution in the paper's answer format and EOS, or the column's
+    text as a completion prefix (log pi of that prefix)."""
     limit: int | None = None
     """Evaluate only the first LIMIT problems of each benchmark."""
     backend: str = "vllm"

@@ -1,7 +1,8 @@
 """The policy loss: GRPO's clipped surrogate with SAGE's pseudo-KL anchor (Eqs. 3-8, 12, App. E.5).
 
-In the order of one update: (1) per-token log-probs and entropies H_t (Eq. 12), the sampler's
-temperature and min-p replayed; (2) one advantage per completion (GRPO, Dr. GRPO, RLOO, BNPO),
+In the order of one update: (1) per-token log-probs and entropies H_t (Eq. 12) of pi_T, the
+policy at the sampler's temperature (its full softmax, or with --loss-distribution min_p the
+sampler's min-p truncation); (2) one advantage per completion (GRPO, Dr. GRPO, RLOO, BNPO),
 the rewards first shaped by the pseudo-KL for k1 in the return (Eq. 8); (3) the clipped
 surrogate; (4) the penalty against the anchor log p~ = log pi_ref + log q (Eqs. 5, 8); (5) the
 aggregation over tokens; then ``policy_loss``, with pi_old, pi_ref and q held fixed (Eq. 3).
@@ -22,6 +23,7 @@ from machinery.loss_metrics import loss_metrics
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "bnpo")
 KL_MODES = ("reverse", "forward", "none")
 KL_ESTIMATORS = ("k1_return", "k2", "k3", "ratio_k3")
+DISTRIBUTIONS = ("full", "min_p")
 AGGREGATIONS = ("grpo", "batch_token_mean", "dr_grpo", "dapo")
 
 # ---- 1. Per-token log-probs and entropies ------------------------------------------------------
@@ -30,24 +32,31 @@ AGGREGATIONS = ("grpo", "batch_token_mean", "dr_grpo", "dapo")
 def token_logps_and_entropies(
     logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, min_p: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi_T(y_t) and H_t (Eq. 12) from [..., V] logits, pi_T = softmax(logits / T), float32.
+    """log pi(y_t) and H_t (Eq. 12) of one distribution, from [..., V] logits, float32.
 
-    H_t is the full pi_T's, with no gradient. min-p keeps the tokens with pi_T(v) >= min_p *
-    max_v pi_T(v) and renormalizes, as the sampler did; the sampled token counts as kept.
+    min_p = 0: pi_T = softmax(logits / T) over the full vocabulary (the default, TRL's).
+    min_p > 0: the sampler's truncation of pi_T, the tokens with pi_T(v) >= min_p * max_v pi_T(v)
+    kept and renormalized (the sampled token counts as kept); H_t is then that distribution's
+    entropy too, so the guide reads only logits that the log-probs carry (docs/min-p.md).
 
     >>> logits = torch.tensor([[0.0, 0.0, 0.0, 0.0]])      # uniform over 4 tokens
     >>> logps, entropies = token_logps_and_entropies(logits, torch.tensor([2]))
     >>> round(logps.item(), 4), round(entropies.item(), 4)  # log(1/4), log 4
     (-1.3863, 1.3863)
+    >>> logits = torch.tensor([[0.0, 0.0, -9.0, -9.0]])    # min-p keeps the first two
+    >>> logps, entropies = token_logps_and_entropies(logits, torch.tensor([0]), min_p=0.01)
+    >>> round(logps.item(), 4), round(entropies.item(), 4)  # log(1/2), log 2
+    (-0.6931, 0.6931)
     """
     z = logits.float() / temperature  # [..., V]
+    if min_p > 0.0:
+        full_log_probs = z.log_softmax(dim=-1)
+        kept = full_log_probs >= math.log(min_p) + full_log_probs.amax(dim=-1, keepdim=True)
+        kept = kept.scatter(-1, token_ids[..., None], True)
+        z = z.masked_fill(~kept, float("-inf"))
     log_probs = z.log_softmax(dim=-1)
     probs = log_probs.exp()
     entropies = -torch.where(probs > 0, probs * log_probs, 0.0).sum(dim=-1)
-    if min_p > 0.0:
-        kept = log_probs >= math.log(min_p) + log_probs.amax(dim=-1, keepdim=True)
-        kept = kept.scatter(-1, token_ids[..., None], True)
-        log_probs = z.masked_fill(~kept, float("-inf")).log_softmax(dim=-1)
     return log_probs.gather(-1, token_ids[..., None]).squeeze(-1), entropies.detach()
 
 
@@ -281,6 +290,9 @@ class LossConfig:
     """k3 (paper) | k2 | ratio_k3 | k1_return (in the return: Eq. 4); docs/estimators.md."""
     beta: float = 0.05
     """KL coefficient (paper: 0.05)."""
+    distribution: str = field(default="full", metadata={"flag": "loss-distribution"})
+    """full | min_p: what the policy's log-probs and the guide's H_t are computed over: pi_T's
+    full softmax (the authors' code, TRL), or the sampler's min-p truncation (docs/min-p.md)."""
     reference_min_p: bool = False
     """Replay min-p on the reference too (off: its full softmax, as the authors' code)."""
     tis_cap: float = 0.0
@@ -289,7 +301,14 @@ class LossConfig:
     """dr_grpo's constant divisor, the sampler's max_tokens; set by the trainer, not a flag."""
 
     def __post_init__(self):
-        check_loss_config(self, ADVANTAGES, AGGREGATIONS, KL_MODES, KL_ESTIMATORS)
+        choices = {
+            "advantage": ADVANTAGES,
+            "aggregation": AGGREGATIONS,
+            "kl": KL_MODES,
+            "kl_estimator": KL_ESTIMATORS,
+            "distribution": DISTRIBUTIONS,
+        }
+        check_loss_config(self, choices=choices)
 
 
 @dataclass

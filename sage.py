@@ -122,7 +122,7 @@ class Config:
     temperature: float = 1.0
     """Sampling temperature (paper: 1.0)."""
     min_p: float = 0.01
-    """Sampling min-p (paper: 0.01); replayed in the trainer's log-probs."""
+    """Sampling min-p (paper: 0.01); the loss reads it with --loss-distribution min_p."""
     top_p: float = 1.0
     """Sampling top-p (paper: 1.0)."""
     top_k: int = -1
@@ -420,13 +420,20 @@ def micro_batches(rollouts: Rollouts, config: Config, pad_id: int, device) -> li
     return result
 
 
+def policy_min_p(config: Config) -> float:
+    """The min-p of the distribution the loss reads: 0 (pi_T's full softmax, the default) or the
+    sampler's (--loss-distribution min_p: its truncation, renormalized)."""
+    return config.min_p if config.loss.distribution == "min_p" else 0.0
+
+
 def sampled_logps(model, batch: dict, config: Config, min_p: float | None = None):
-    """log pi(y_t) and H_t [B, C] of ``model`` with the sampler's temperature and min-p replayed."""
+    """log pi(y_t) and H_t [B, C] of ``model`` at the sampler's temperature, over the distribution
+    --loss-distribution names (``min_p`` overrides it)."""
     return loss.completion_logps(
         model,
         batch,
         temperature=config.temperature,
-        min_p=config.min_p if min_p is None else min_p,
+        min_p=policy_min_p(config) if min_p is None else min_p,
         fast=config.fast_logprobs,
     )
 

@@ -292,8 +292,9 @@ def plot_support_curves(evaluations: list[dict], logp_axis, supp_axis, runs: int
 
 def plot_guide_map(evaluations: list[dict], tau: float, out: str) -> None:
     """Where the branch guide acts (Eq. 11): for the problems of the guide map (eval.jsonl), y*'s
-    tokens with the policy's entropy H_t (bars) and the branch guide's q_t (line), at the first
-    evaluation and at the last. q_t > 1 only where H_t > tau: the anchor p~ = pi_ref * q is
+    tokens with the policy's entropy H_t (bars, of the distribution the loss reads), the branch
+    guide's q_t (line) and -log M_t, the tail min-p cuts (dashes), at the first evaluation and at
+    the last. q_t > 1 only where H_t > tau: the anchor p~ = pi_ref * q is
     raised at the forks where the policy hesitates, and nowhere else."""
     mapped = [row for row in evaluations if row.get("guide_map")]
     if not mapped:
@@ -319,6 +320,16 @@ def plot_guide_map(evaluations: list[dict], tau: float, out: str) -> None:
             color="C0",
             label=f"H_t after {last['step']} steps",
         )
+        if "log_kept_mass" in end:  # the tail min-p cuts: -log M_t, in nats like H_t
+            axis.plot(
+                positions,
+                [-mass for mass in end["log_kept_mass"]],
+                color="black",
+                linestyle="none",
+                marker="_",
+                markersize=9,
+                label=f"-log M_t after {last['step']} steps (cut by min-p)",
+            )
         axis.axhline(tau, color="gray", linestyle=":", linewidth=1, label=f"tau = {tau:g}")
         axis.set_ylabel("entropy H_t (nats)")
         axis.set_xticks(

@@ -13,18 +13,12 @@ import math
 import torch
 
 
-def check_loss_config(config, advantages, aggregations, kl_modes, kl_estimators) -> None:
+def check_loss_config(config, choices: dict[str, tuple[str, ...]]) -> None:
     """One-line errors for a ``loss.LossConfig`` that cannot run, naming each field by its flag:
-    unknown names (checked against the choices given), a clip range that is not one, a negative
-    or infinite beta or importance-sampling cap."""
+    unknown names (each field of ``choices`` checked against its allowed values), a clip range
+    that is not one, a negative or infinite beta or importance-sampling cap."""
     flags = {f.name: f.metadata.get("flag") or f.name for f in dataclasses.fields(config)}
     flags = {name: "--" + flag.replace("_", "-") for name, flag in flags.items()}
-    choices = {
-        "advantage": advantages,
-        "aggregation": aggregations,
-        "kl": kl_modes,
-        "kl_estimator": kl_estimators,
-    }
     for name, allowed in choices.items():
         value = getattr(config, name)
         if value not in allowed:

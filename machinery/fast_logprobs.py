@@ -1,8 +1,8 @@
 """The fast log-prob kernel: per-token log-probs and entropies in row chunks, hand-written backward.
 
 ``loss.token_logps_and_entropies`` is the definition: log pi_T(y_t) of the sampled tokens and the
-full-vocabulary entropies H_t (Eq. 12) of pi_T = softmax(logits / T), with the sampler's min-p
-mask replayed, in a few lines over the whole [N, V] logits. Written that way, autograd keeps
+entropies H_t (Eq. 12) of pi_T = softmax(logits / T), or of its min-p truncation when min_p > 0,
+in a few lines over the whole [N, V] logits. Written that way, autograd keeps
 several float32 tensors of that size (the scaled logits, log_softmax, its exp, the gradient):
 for a 152k vocabulary and a micro-batch of 4 x 1,536 completion tokens, each is 3.7 GB. This
 module computes the same numbers without any of them, which is why the trainer uses it:
@@ -89,18 +89,17 @@ class _TokenLogProbs(torch.autograd.Function):
             row_max = z.amax(dim=-1, keepdim=True)  # [n, 1]
             torch.sub(z, row_max, out=shifted)  # z - max <= 0: no cancellation below
             torch.exp(shifted, out=e)  # in (0, 1]
-            total = e.sum(dim=-1)  # [n]
-            # Entropy of the full pi_T (Eq. 12): H = log sum e - sum(e (z - max)) / sum e.
-            entropies[rows] = total.log() - shifted.mul_(e).sum(dim=-1) / total
             token_z = z.gather(-1, token_ids[rows, None]).squeeze(-1)
             if min_p > 0.0:
                 # The sampled token is always in the kept set: the sampler kept it, even where
                 # this float32 replay puts it a hair below the threshold (else log pi = -inf).
                 token_e = e.gather(-1, token_ids[rows, None])
                 e.masked_fill_(e < min_p, 0.0).scatter_(-1, token_ids[rows, None], token_e)
-                lse = row_max.view(-1) + e.sum(dim=-1).log()
-            else:
-                lse = row_max.view(-1) + total.log()
+            total = e.sum(dim=-1)  # [n], over the kept set
+            # Entropy of that distribution (Eq. 12): H = log sum e - sum(e (z - max)) / sum e;
+            # a dropped token has e = 0 and adds nothing.
+            entropies[rows] = total.log() - shifted.mul_(e).sum(dim=-1) / total
+            lse = row_max.view(-1) + total.log()
             kept_logsumexp[rows] = lse
             row_maxima[rows] = row_max.view(-1)
             logps[rows] = token_z - lse
@@ -145,7 +144,12 @@ class _TokenLogProbs(torch.autograd.Function):
 
 
 def _checked_entropies(
-    logits: torch.Tensor, entropies: torch.Tensor, temperature: float, chunk_rows: int
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    entropies: torch.Tensor,
+    temperature: float,
+    min_p: float,
+    chunk_rows: int,
 ) -> torch.Tensor:
     """Raise on NaN / inf logits; recompute the rows where -inf logits (a masked vocabulary)
     gave NaN.
@@ -160,12 +164,16 @@ def _checked_entropies(
     entropies = entropies.clone()
     for index in bad.nonzero().squeeze(-1).split(chunk_rows):
         z = logits.detach()[index].float() / temperature  # [n, V]
-        lse = torch.logsumexp(z, dim=-1)
-        if not torch.isfinite(lse).all():
+        if not torch.isfinite(torch.logsumexp(z, dim=-1)).all():
             raise ValueError(
                 "logits have NaN or inf (or are all -inf) in some rows: a diverged model or an "
                 "overflowing dtype; check the forward pass that produced them"
             )
+        if min_p > 0.0:  # the same kept set as the chunked loop's
+            kept = z - z.amax(dim=-1, keepdim=True) >= math.log(min_p)
+            kept.scatter_(-1, token_ids[index, None], True)
+            z = z.masked_fill(~kept, float("-inf"))
+        lse = torch.logsumexp(z, dim=-1)
         probs = torch.exp(z - lse[:, None])
         entropies[index] = lse - torch.where(probs > 0, probs * z, 0.0).sum(dim=-1)
     return entropies
@@ -198,8 +206,9 @@ def chunked_token_logps_and_entropies(
 
     Returns:
         logps: [...] float32, differentiable w.r.t. ``logits``.
-        entropies: [...] float32, H_t of softmax(logits / T) over the full vocabulary (Eq. 12),
-            no gradient. -inf logits (a masked vocabulary) are allowed.
+        entropies: [...] float32, H_t (Eq. 12) of the same distribution (the full softmax(logits
+            / T), or its min-p truncation), no gradient. -inf logits (a masked vocabulary) are
+            allowed.
 
     Raises:
         ValueError: on mismatched shapes, or logits with NaN / +inf (or a row all -inf).
@@ -227,7 +236,14 @@ def chunked_token_logps_and_entropies(
     logps, entropies = _TokenLogProbs.apply(
         flat_logits, flat_ids, temperature, min_p, chunk_rows, inplace_backward
     )
-    entropies = _checked_entropies(flat_logits, entropies, temperature, chunk_rows)
+    entropies = _checked_entropies(
+        flat_logits,
+        flat_ids,
+        entropies=entropies,
+        temperature=temperature,
+        min_p=min_p,
+        chunk_rows=chunk_rows,
+    )
     return logps.view(token_ids.shape), entropies.view(token_ids.shape)
 
 

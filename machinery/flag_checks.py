@@ -11,6 +11,7 @@ import math
 import os
 
 from machinery.data import LOCAL_FORMATS
+from machinery.task import SOLUTION_FORMATS
 
 # (flag, lowest, highest, what it must be): None is unbounded; the bounds are inclusive unless
 # the text says otherwise (checked by ``in_range``).
@@ -175,6 +176,16 @@ def check_config(config, presets: dict, error) -> None:
             "problem and answer fields)",
         ),
         (
+            config.eval.eval_solution_format in SOLUTION_FORMATS,
+            f"unknown --eval-solution-format {config.eval.eval_solution_format!r}: choose one of "
+            f"{', '.join(SOLUTION_FORMATS)}",
+        ),
+        (
+            not config.eval.eval_solution_key or (config.top_p == 1.0 and config.top_k <= 0),
+            "--eval-solution-key: the support probe replays the sampler's temperature and min-p, "
+            "not top-p or top-k; train with --top-p 1.0 --top-k -1 (the paper's) to probe it",
+        ),
+        (
             refill is None or refill.overlong_buffer < budget,
             f"--overlong-buffer must be below the completion budget (--max-seq-len minus "
             f"--max-prompt-len = {budget})",
@@ -267,6 +278,15 @@ def check_eval_args(args) -> str | None:
         ("--grading-workers", args.grading_workers, AT_LEAST_ONE),
         *(("--seeds", seed, NON_NEGATIVE) for seed in seeds),
     ]
+    if args.solution_format not in SOLUTION_FORMATS:
+        choices = ", ".join(SOLUTION_FORMATS)
+        return f"unknown --solution-format {args.solution_format!r}: choose one of {choices}"
+    if args.solution_key and not (args.top_p == 1.0 and args.top_k <= 0):
+        return (
+            f"--solution-key with --top-p {args.top_p} --top-k {args.top_k}: the support probe "
+            "replays temperature and min-p, not top-p or top-k; pass --top-p 1.0 --top-k -1 so "
+            "that it measures the distribution the sampler draws from"
+        )
     files = [p.strip() for p in args.benchmarks.split(",") if p.strip()]
     local = [("--benchmarks", p) for p in files if os.path.splitext(p)[1].lower() in LOCAL_FORMATS]
     paths = [("--model", args.model), ("--adapter", args.adapter or ""), *local]

@@ -227,7 +227,9 @@ class RunLogger:
     def _support(self, policy, problems, updates: int) -> dict:
         """{"support": the probe's summary per group, "guide_map": per token of y*, for the
         first ``GUIDE_MAP_PROBLEMS`` problems of the "hard" group (or the first problems): the
-        tokens, H_t and the branch guide's q_t at this policy}; {} when no problem has y*."""
+        tokens, H_t of the distribution the loss reads (and of both: the full softmax's and its
+        min-p truncation's), the branch guide's q_t and log M_t, the log of the mass min-p keeps,
+        at this policy}; {} when no problem has y*."""
         import dataclasses
 
         import guides
@@ -241,6 +243,7 @@ class RunLogger:
             temperature=config.temperature,
             min_p=config.min_p,
             batch_size=config.micro_batch_size,
+            solution_format=config.eval.eval_solution_format,
         )
         if probed is None:
             return {}
@@ -254,7 +257,9 @@ class RunLogger:
         guide_map = []
         for index in shown[:GUIDE_MAP_PROBLEMS]:
             probe, problem = probes[index], with_solution[index]
-            entropies = torch.tensor([probe.entropies])  # [1, C]
+            # H_t of the distribution the run's loss and guide read (--loss-distribution)
+            read = probe.entropies_kept if config.loss.distribution == "min_p" else probe.entropies
+            entropies = torch.tensor([read])  # [1, C]
             log_q = guides.compute_log_q(
                 branch,
                 logps=torch.tensor([probe.token_logps]),
@@ -263,12 +268,20 @@ class RunLogger:
                 step=updates,
                 total_steps=config.steps,
             )
-            ids = reference_completion_ids(self.tokenizer, problem.solution, problem.answer)
+            ids = reference_completion_ids(
+                self.tokenizer,
+                problem.solution,
+                problem.answer,
+                solution_format=config.eval.eval_solution_format,
+            )
             guide_map.append(
                 {
                     "problem": problem.problem,
                     "tokens": [self.tokenizer.decode([token]) for token in ids],
-                    "entropy": probe.entropies,
+                    "entropy": read,
+                    "entropy_full": probe.entropies,
+                    "entropy_kept": probe.entropies_kept,
+                    "log_kept_mass": probe.log_kept_mass,
                     "q": log_q.exp()[0].tolist(),
                     "logp": probe.token_logps_full,
                     "kept": probe.kept,

@@ -66,6 +66,8 @@ def test_the_sweep_covers_every_numeric_flag():
         (["--max-prompt-len", "600", "--max-seq-len", "512"], "--max-prompt-len must be below"),
         (["--overlong-buffer", "5000"], "--overlong-buffer must be below the completion budget"),
         (["--eval-every", "10"], "--eval-every needs --eval-benchmarks"),
+        (["--eval-solution-key", "w", "--top-p", "0.9"], "not top-p or top-k; train with"),
+        (["--eval-solution-format", "raw"], "unknown --eval-solution-format 'raw'"),
     ],
 )
 def test_missing_paths_and_impossible_combinations(argv, message, capsys):
@@ -118,3 +120,22 @@ def test_as_a_user_types_it_one_line_in_seconds_and_nothing_written(argv, tmp_pa
     error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(error_lines) == 1, result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--top-p", "0.95"], "replays temperature and min-p, not top-p or top-k"),
+        (["--top-p", "1.0", "--top-k", "20"], "pass --top-p 1.0 --top-k -1"),
+        (["--top-p", "1.0", "--solution-format", "raw"], "unknown --solution-format 'raw'"),
+    ],
+)
+def test_evaluate_refuses_a_probe_that_would_not_measure_the_sampler(argv, message, capsys):
+    """evaluate.py --solution-key: the support probe replays the temperature and min-p only, so
+    top-p or top-k (which would change the sampled-from distribution) is one line, before any
+    model loads."""
+    import evaluate
+
+    code = evaluate.main(["--model", "m", "--benchmarks", "aime", "--solution-key", "s", *argv])
+    error = capsys.readouterr().err
+    assert code == 2 and message in error and len(error.strip().splitlines()) == 1

@@ -31,14 +31,15 @@ LOGPROB_PATHS = {
 
 
 def naive_logps_and_entropies(logits, token_ids, temperature=1.0, min_p=0.0):
-    """float64 reference: log_softmax of logits / T (min-p masked as vLLM does), full entropy."""
+    """float64 reference: log_softmax of logits / T (min-p masked as vLLM does) and the entropy
+    of that same distribution, written as sums over the kept tokens."""
     z = logits.double() / temperature
-    entropies = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
-    if min_p > 0.0:
-        probs = z.softmax(-1)
-        keep = probs >= min_p * probs.amax(-1, keepdim=True)
-        z = z.masked_fill(~keep, float("-inf"))
-    logps = z.log_softmax(-1).gather(-1, token_ids[..., None]).squeeze(-1)
+    probs = z.softmax(-1)
+    keep = probs >= min_p * probs.amax(-1, keepdim=True)
+    kept_probs = probs * keep / (probs * keep).sum(-1, keepdim=True)
+    entropies = -torch.xlogy(kept_probs, kept_probs).sum(-1)
+    logps = z.masked_fill(~keep, float("-inf")).log_softmax(-1)
+    logps = logps.gather(-1, token_ids[..., None]).squeeze(-1)
     return logps, entropies
 
 

@@ -11,7 +11,7 @@ import guides
 import loss
 import sage
 from extras import demo, dynamic_sampling, sft
-from machinery import batches, cli, data, task
+from machinery import batches, cli, data, fast_logprobs, task
 
 
 def test_paper_defaults_for_model_runs():
@@ -340,6 +340,42 @@ def test_plain_grpo_anchors_to_the_full_softmax_reference(tiny):
     below = own < 0.3 * probs.amax(-1)
     kept_mass = torch.where(below, kept_mass + own, kept_mass)
     torch.testing.assert_close(implicit_log_q, -kept_mass.log()[mask], atol=1e-5, rtol=0)
+
+
+def test_loss_distribution_sets_what_the_policy_log_probs_and_the_guide_read(tiny):
+    """--loss-distribution full (default): the policy's log-probs and the H_t the guide reads are
+    pi_T's full softmax, as in TRL; min_p: the sampler's truncation, renormalized, its entropy
+    too. The reference stays the full softmax either way (unless --reference-min-p)."""
+    model, tokenizer = tiny
+    prompt, completion = tokenizer("What is 3 + 4?")["input_ids"], tokenizer("3+4=7")["input_ids"]
+    batch = batches.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
+    batch["engine_logps"] = torch.zeros_like(batch["completion_mask"])
+    with torch.no_grad():
+        logits = fast_logprobs.completion_logits(model, batch)  # [1, C, V]
+    ids, read = batch["completion_ids"], {}
+    for distribution in ("full", "min_p"):
+        config = sage.Config(
+            model="m", temperature=0.8, min_p=0.3, guide=guides.GuideConfig(name="branch", tau=0.0)
+        )
+        config.loss = dataclasses.replace(
+            config.loss, distribution=distribution, kl_estimator="k1_return"
+        )
+        with torch.no_grad():
+            logps, entropies = sage.sampled_logps(model, batch, config=config)
+        held = sage.held_fixed_logps(model, model, batch, config, step=0, generator=None)
+        min_p = 0.3 if distribution == "min_p" else 0.0
+        expected, expected_entropies = loss.token_logps_and_entropies(logits, ids, 0.8, min_p)
+        torch.testing.assert_close(logps, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropies, expected_entropies, atol=1e-5, rtol=0)
+        full_ref, _ = loss.token_logps_and_entropies(logits, ids, 0.8, 0.0)
+        torch.testing.assert_close(held.ref_logps, full_ref, atol=1e-5, rtol=0)
+        # the guide reads these entropies: q_t = 1 + 0.3 H_t (tau 0), clamped
+        expected_q = (1.0 + 0.3 * expected_entropies).clamp(0.6, 1.4)
+        torch.testing.assert_close(held.log_q.exp(), expected_q, atol=1e-5, rtol=0)
+        read[distribution] = (logps, entropies)
+    # truncation raises a kept token's log-prob and lowers the entropy, somewhere
+    assert (read["min_p"][0] >= read["full"][0] - 1e-6).all()
+    assert (read["min_p"][1] < read["full"][1] - 1e-3).any()
 
 
 def test_guide_entropy_reference_takes_q_from_the_reference_pass(tiny):
