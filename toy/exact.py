@@ -54,9 +54,11 @@ class TokenTree:
             )
         self.nodes = sorted(prefixes, key=lambda s: (len(s), s))
         node_id = {s: i for i, s in enumerate(self.nodes)}
-        self.children = [
-            sorted({y[len(s)] for y in self.completions if y[: len(s)] == s}) for s in self.nodes
-        ]
+        next_tokens: dict[tuple, set] = {s: set() for s in self.nodes}
+        for y in self.completions:  # one pass over the tokens, so large trees build fast
+            for t in range(len(y)):
+                next_tokens[y[:t]].add(y[t])
+        self.children = [sorted(next_tokens[s]) for s in self.nodes]
         # Flat parameter layout: node i owns theta[offsets[i] : offsets[i] + len(children[i])].
         sizes = [len(c) for c in self.children]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -67,10 +69,11 @@ class TokenTree:
         self.lengths = torch.tensor([len(y) for y in self.completions])  # [B]
         self.completion_mask = torch.zeros(num_completions, length, dtype=DTYPE)  # [B, T]
         self.param_index = torch.zeros(num_completions, length, dtype=torch.long)  # [B, T]
+        child_position = [{a: j for j, a in enumerate(c)} for c in self.children]
         for b, y in enumerate(self.completions):
             for t, token in enumerate(y):
                 i = node_id[y[:t]]
-                self.param_index[b, t] = self.offsets[i] + self.children[i].index(token)
+                self.param_index[b, t] = self.offsets[i] + child_position[i][token]
                 self.completion_mask[b, t] = 1.0
         self.node_id = node_id
 
