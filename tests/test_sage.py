@@ -486,6 +486,23 @@ def test_k1_return_advantages_are_those_of_the_shaped_returns(tiny):
     assert (advantages - unshaped).abs().max() > 1e-3
 
 
+def test_the_dapo_update_divides_by_the_steps_token_count(tiny):
+    """--loss-agg dapo: each micro-batch's token sum is divided by the whole step's completion
+    tokens (step_tokens), so the micro-batches' gradients add up to that of loss.policy_loss on
+    the whole batch at once; a wrong step_tokens scales the gradient and fails here."""
+    _, tokenizer = tiny
+    rollouts, rewards = _rollouts(num_groups=3, group_size=4, seed=7)
+    config = _wiring_config(loss=loss.LossConfig(aggregation="dapo", kl="reverse", beta=0.5))
+    policy, reference = _wiring_models(tokenizer)
+    pad_id = tokenizer.pad_token_id
+    gradient, advantages = _sage_step(policy, reference, rollouts, rewards, config, pad_id)
+    assert len(sage.micro_batches(rollouts, config, pad_id, "cpu")) == 2
+    whole_batch = dataclasses.replace(config, micro_batch_size=len(rollouts.completion_ids))
+    expected = _loss_by_hand(policy, reference, rollouts, advantages, whole_batch, pad_id)
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(gradient, expected, atol=1e-7, rtol=1e-5)
+
+
 class SteppingRecorder(GradientRecorder):
     """Records the gradient at each step(), then takes a plain SGD step with it."""
 
