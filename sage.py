@@ -80,16 +80,19 @@ class Config:
     algo: str = "grpo"
     """Preset: grpo | dapo | bnpo | dr_grpo, flags for advantage, aggregation, clip, KL."""
     steps: int = 1000
-    """Optimizer steps of RL (paper: 1,000)."""
+    """RL steps, each one AdamW step per --ppo-epochs pass (paper: 1,000)."""
     prompts_per_step: int = 8
-    """Prompts per optimizer step (paper: 8)."""
+    """Prompts per RL step (paper: 8)."""
     rollouts: int = 8
     """Completions per prompt, the group size G (paper: 8)."""
     micro_batch_size: int = 4
     """Sequences per forward/backward, accumulated over the step (4 fits a 7B on 80 GB)."""
     ppo_epochs: int = 1
-    """Passes over each step's rollouts before its one AdamW step, each pass's loss scaled by
-    1/E (1: on-policy, the ratio is 1)."""
+    """Passes over each step's rollouts, each ending in a clipped AdamW step (TRL's
+    num_iterations; 1: on-policy, the ratio is 1). pi_old, pi_ref and q are held from before the
+    first pass, so from the second the ratio moves and the clip acts. The learning-rate schedule
+    advances once per RL step, as --steps, --warmup-ratio and the guide's schedules count them:
+    the E AdamW steps of one RL step share its learning rate."""
     loss: loss.LossConfig = field(default_factory=loss.LossConfig)
     """The loss's knobs (loss.py): advantage, aggregation, clip range, KL, beta."""
     guide: guides.GuideConfig = field(default_factory=guides.GuideConfig)
@@ -509,14 +512,19 @@ def step_advantages(rewards: torch.Tensor, batches: list, held: list, config: Co
 def update_policy(
     policy, optimizer, batches, held, advantages, config: Config, step: int, generator
 ) -> dict:
-    """Per micro-batch: the policy's forward pass, the guide's log q from it (unless the held
-    pass gave it), the loss and its backward (gradients accumulate into the step's); then one
-    clipped AdamW step. Each of the --ppo-epochs passes adds 1/E of its gradient."""
+    """--ppo-epochs passes over the step's rollouts, each: per micro-batch, the policy's forward
+    pass, the guide's log q from it (unless the held pass gave it), the loss and its backward
+    (gradients accumulate into the pass's); then a clipped AdamW step. pi_old, pi_ref and q stay
+    the ``held`` ones in every pass (Eq. 3), so from the second pass the ratio and its clip act.
+    Returns the passes' mean metrics; grad_norm is the mean of the passes' norms before clipping."""
+    if config.ppo_epochs > 1 and any(fixed.old_logps is None for fixed in held):
+        raise ValueError("--ppo-epochs > 1 needs pi_old's log-probs held before the first pass")
     policy.train()
     metrics, device = runs.StepMetrics(), next(policy.parameters()).device
     total_rows = sum(len(rows) for rows, _ in batches)
     step_tokens = float(sum(batch["completion_mask"].sum().item() for _, batch in batches))
     constant_q = config.guide.name in ("branch", "random")  # q is one number per position
+    grad_norms = []
     for _ in range(config.ppo_epochs):
         for (rows, batch), fixed in zip(batches, held):
             mask = batch["completion_mask"]
@@ -551,15 +559,16 @@ def update_policy(
                 total_rows=total_rows,
                 num_micro_batches=len(batches),
             )
-            (micro_loss * (weight / config.ppo_epochs)).backward()
+            (micro_loss * weight).backward()
             gap = rollout.engine_gap(fixed.old_logps, fixed.engine_logps, mask=mask)
             metrics.add({**micro_metrics, **gap}, rows=len(rows))
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm).item()
-    if not math.isfinite(grad_norm):
-        raise FloatingPointError(f"the gradient norm is {grad_norm}: lower --lr or --beta")
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {**metrics.result(), "grad_norm": grad_norm}
+        norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm).item()
+        if not math.isfinite(norm):
+            raise FloatingPointError(f"the gradient norm is {norm}: lower --lr or --beta")
+        optimizer.step()  # the next pass's ratio is pi_theta / pi_old with this step's theta
+        optimizer.zero_grad(set_to_none=True)
+        grad_norms.append(norm)
+    return {**metrics.result(), "grad_norm": sum(grad_norms) / len(grad_norms)}
 
 
 # ---- main(): the run, stage by stage -----------------------------------------------------------
@@ -622,7 +631,7 @@ def main(argv: list[str] | None = None) -> dict:
                     ]
                 # 3. advantages (with k1_return, of the returns the pseudo-KL shaped)
                 advantages = step_advantages(rewards, batches, held=held, config=config)
-                # 4. per micro-batch: forward pass -> log q -> loss -> backward; one AdamW step
+                # 4. per micro-batch: forward pass -> log q -> loss -> backward; per pass, AdamW
                 with timer("update"):
                     metrics |= update_policy(
                         policy,

@@ -522,26 +522,97 @@ def test_k1_return_advantages_are_those_of_the_shaped_returns(tiny):
     assert (advantages - unshaped).abs().max() > 1e-3
 
 
-def test_ppo_epochs_average_their_gradients_into_one_step(tiny):
-    """--ppo-epochs E passes E times over the step's rollouts before its one AdamW step, each
-    pass's loss scaled by 1/E: the policy does not move between passes, so the step's gradient is
-    that of one pass."""
+def test_the_dapo_update_divides_by_the_steps_token_count(tiny):
+    """--loss-agg dapo: each micro-batch's token sum is divided by the whole step's completion
+    tokens (step_tokens), so the micro-batches' gradients add up to that of loss.policy_loss on
+    the whole batch at once; a wrong step_tokens scales the gradient and fails here."""
     _, tokenizer = tiny
     rollouts, rewards = _rollouts(num_groups=3, group_size=4, seed=7)
-    gradients = []
-    for epochs in (1, 2):
-        policy, reference = _wiring_models(tokenizer)
-        gradient, _ = _sage_step(
-            policy,
-            reference,
-            rollouts,
-            rewards,
-            _wiring_config(ppo_epochs=epochs),
-            tokenizer.pad_token_id,
-        )
-        gradients.append(gradient)
-    assert gradients[0].abs().max() > 0
-    torch.testing.assert_close(gradients[1], gradients[0], atol=1e-7, rtol=1e-4)
+    config = _wiring_config(loss=loss.LossConfig(aggregation="dapo", kl="reverse", beta=0.5))
+    policy, reference = _wiring_models(tokenizer)
+    pad_id = tokenizer.pad_token_id
+    gradient, advantages = _sage_step(policy, reference, rollouts, rewards, config, pad_id)
+    assert len(sage.micro_batches(rollouts, config, pad_id, "cpu")) == 2
+    whole_batch = dataclasses.replace(config, micro_batch_size=len(rollouts.completion_ids))
+    expected = _loss_by_hand(policy, reference, rollouts, advantages, whole_batch, pad_id)
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(gradient, expected, atol=1e-7, rtol=1e-5)
+
+
+class SteppingRecorder(GradientRecorder):
+    """Records the gradient at each step(), then takes a plain SGD step with it."""
+
+    def __init__(self, params, lr):
+        super().__init__(params)
+        self.lr, self.gradients = lr, []
+
+    def step(self):
+        super().step()
+        self.gradients.append(self.gradient)
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-self.lr)
+
+
+def test_ppo_epochs_step_after_each_pass_against_the_pi_old_held_before_the_first(
+    tiny, monkeypatch
+):
+    """--ppo-epochs E is TRL's num_iterations: each pass over the step's rollouts ends in an
+    optimizer step, so the second pass runs on moved parameters, its ratio pi_theta / pi_old
+    leaves 1 and the clip acts, while pi_old, pi_ref and log q stay those held before the first
+    pass (Eq. 3). The first pass is the on-policy step of E = 1."""
+    _, tokenizer = tiny
+    rollouts, rewards = _rollouts(num_groups=3, group_size=4, seed=7)
+    pad_id = tokenizer.pad_token_id
+    on_policy, _ = _sage_step(
+        *_wiring_models(tokenizer), rollouts, rewards, _wiring_config(), pad_id
+    )
+    config = _wiring_config(ppo_epochs=2)
+    policy, reference = _wiring_models(tokenizer)
+    batches = sage.micro_batches(rollouts, config, pad_id, "cpu")
+    generator = torch.Generator().manual_seed(0)
+    held = [
+        sage.held_fixed_logps(policy, reference, b, config, step=0, generator=generator)
+        for _, b in batches
+    ]
+    names = ("old_logps", "ref_logps", "log_q")
+    before = [{name: getattr(fixed, name).clone() for name in names} for fixed in held]
+    advantages = sage.step_advantages(rewards, batches, held, config)
+    calls, policy_loss = [], loss.policy_loss  # what each micro-batch of each pass fed the loss
+
+    def recording_loss(logps, *args, **kwargs):
+        value, metrics = policy_loss(logps, *args, **kwargs)
+        calls.append((logps.detach(), kwargs["fixed"], kwargs["completion_mask"].bool(), metrics))
+        return value, metrics
+
+    monkeypatch.setattr(loss, "policy_loss", recording_loss)
+    optimizer = SteppingRecorder(policy.parameters(), lr=0.01)
+    metrics = sage.update_policy(
+        policy, optimizer, batches, held, advantages, config, step=0, generator=generator
+    )
+    assert len(optimizer.gradients) == 2 and len(calls) == 2 * len(batches)
+    torch.testing.assert_close(optimizer.gradients[0], on_policy, atol=1e-7, rtol=1e-5)
+    assert (optimizer.gradients[1] - optimizer.gradients[0]).abs().max() > 1e-3
+    for i, fixed in enumerate(held):
+        first, second = calls[i], calls[len(batches) + i]
+        for name in names:  # held fixed: the same tensors in both passes, never written to
+            torch.testing.assert_close(getattr(fixed, name), before[i][name], rtol=0, atol=0)
+            assert getattr(first[1], name) is getattr(fixed, name)
+            assert getattr(second[1], name) is getattr(fixed, name)
+        logps, _, mask, first_metrics = first
+        torch.testing.assert_close(logps[mask], fixed.old_logps[mask])  # ratio 1
+        assert first_metrics["clip_ratio/region"] == 0.0
+        logps, _, mask, _ = second
+        assert (logps - fixed.old_logps)[mask].abs().max() > 0.3  # outside [0.8, 1.2]
+    assert max(call[3]["clip_ratio/region"] for call in calls[len(batches) :]) > 0
+    # the metrics are the passes' means: each micro-batch's, weighted by its rows, over both
+    rows = [mask.shape[0] for _, _, mask, _ in calls]
+    losses = [call[3]["loss"] for call in calls]
+    expected_loss = sum(n * value for n, value in zip(rows, losses)) / sum(rows)
+    assert metrics["loss"] == pytest.approx(expected_loss, rel=1e-6)
+    norms = [gradient.norm().item() for gradient in optimizer.gradients]
+    assert metrics["grad_norm"] == pytest.approx(sum(norms) / 2, rel=1e-4)
 
 
 @pytest.mark.parametrize(
