@@ -31,9 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import glob
 import json
-import os
 import weakref
 
 import torch
@@ -434,24 +432,6 @@ def plan(config, card_bytes: int, sage, search: bool = True, update: dict | None
     }
 
 
-def nvidia_gpu_visible() -> bool:
-    """An NVIDIA GPU's device file is there (its driver is loaded), unless CUDA_VISIBLE_DEVICES
-    hides every GPU on purpose."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return False
-    return bool(glob.glob("/dev/nvidia[0-9]*"))
-
-
-def check_torch_build() -> None:
-    """A CPU build of torch on a machine with an NVIDIA GPU (a .venv made on a CPU login node)
-    would train a 7B on the CPU in float32 without a word: refuse it."""
-    if torch.version.cuda is None and nvidia_gpu_visible():
-        raise SystemExit(
-            f"error: torch {torch.__version__} is a CPU build but this machine has an NVIDIA GPU "
-            "(the run would train on the CPU in float32): run `make clean install` on this node"
-        )
-
-
 def plan_device() -> str:
     """Where the run will train: "cuda" or "cpu" (the plan and its refusal act on CUDA only)."""
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -528,10 +508,9 @@ def print_report(result: dict, config) -> None:
 
 
 def before_loading(config, sage) -> None:
-    """Before anything loads: a CPU torch beside an NVIDIA GPU is refused; --plan-memory prints
-    the plan and ends the program; on CUDA a run that cannot fit is refused with one line naming
-    the flag to change (a run that fits says nothing)."""
-    check_torch_build()
+    """Before anything loads: --plan-memory prints the plan and ends the program; on CUDA a run
+    that cannot fit is refused with one line naming the flag to change (a run that fits says
+    nothing). (A CPU torch beside an NVIDIA GPU: flag_checks.torch_build_problem.)"""
     settings = config.extras["memory"]
     if settings.gpu_gb < 0:
         raise SystemExit(f"error: --gpu-gb {settings.gpu_gb}: pass the card's memory in GB, > 0")
