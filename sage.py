@@ -187,11 +187,15 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 def start_run(config: Config) -> str:
-    """<out>/<name> checked (a checkpoint needs --resume, a CUDA run must fit), seed; no write."""
-    memory_plan.before_loading(config, sage=sys.modules[__name__])  # --plan-memory ends here
+    """<out>/<name> checked, the cheapest and most specific check first: a checkpoint needs
+    --resume, a --full-finetune's weights must fit, then (on CUDA) the memory plan's simulated
+    step; seed; no write. --plan-memory prints the plan and ends the program first."""
+    this = sys.modules[__name__]
+    memory_plan.forecast_if_asked(config, sage=this)
     model = os.path.basename(config.model.rstrip("/"))
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
     flag_checks.check_run_dir(run_dir, config)
+    memory_plan.before_loading(config, sage=this)  # a CUDA run that cannot fit ends here
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     return run_dir

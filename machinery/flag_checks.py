@@ -239,8 +239,9 @@ def check_reward(spec: str, error) -> None:
 
 
 def check_run_dir(run_dir: str, config) -> None:
-    """Before anything loads: a checkpoint is continued only with --resume, --resume needs one,
-    and a --full-finetune model must fit."""
+    """Before anything loads, and before the memory plan (these are cheaper and say more): a
+    checkpoint is continued only with --resume, --resume needs one, and the weights of a
+    --full-finetune model must fit the device."""
     from machinery import models, runs
 
     if not config.resume and os.path.exists(runs.checkpoint_dir(run_dir)):

@@ -199,7 +199,9 @@ def cuda_kernels_on_meta():
 
 
 def read_model_config(model: str):
-    """The model's config.json (a local directory or a hub name; no weights are read)."""
+    """The model's config.json (a local directory or a hub name; no weights are read). One that
+    does not read is the loader's one line (``models.load_base_model``), so a run says the same
+    whether the plan or the loader meets the model first."""
     from transformers import AutoConfig
 
     from machinery.data import first_line
@@ -208,8 +210,8 @@ def read_model_config(model: str):
         return AutoConfig.from_pretrained(model)
     except (OSError, ValueError) as error:
         raise SystemExit(
-            f"error: cannot read the config.json of --model {model!r} ({first_line(error)}): "
-            "pass a model directory or a hub name"
+            f"error: cannot load model {model!r} ({first_line(error)}); pass a local model "
+            "directory or a cached hub name"
         ) from None
 
 
@@ -447,8 +449,12 @@ def card_bytes_of(gpu_gb: float) -> int:
 
 
 def fix_for(result: dict, config) -> str:
-    """The flag to change when a run does not fit."""
+    """The flag to change when a run does not fit. --backend hf is never the advice: the plan
+    does not count what its sampling holds (generate's KV cache and logits), so it cannot say
+    that backend fits."""
     if result["engine_problem"]:
+        if config.full_finetune:  # float32 weights, gradients and moments crowd the engine out
+            return f"{result['engine_problem']}, or drop --full-finetune (LoRA)"
         return result["engine_problem"]
     largest = result["largest_micro_batch"]
     if largest:
@@ -507,22 +513,31 @@ def print_report(result: dict, config) -> None:
     print(json.dumps(result))
 
 
-def before_loading(config, sage) -> None:
-    """Before anything loads: --plan-memory prints the plan and ends the program; on CUDA a run
-    that cannot fit is refused with one line naming the flag to change (a run that fits says
-    nothing). (A CPU torch beside an NVIDIA GPU: flag_checks.torch_build_problem.)"""
-    settings = config.extras["memory"]
-    if settings.gpu_gb < 0:
-        raise SystemExit(f"error: --gpu-gb {settings.gpu_gb}: pass the card's memory in GB, > 0")
-    if settings.plan_memory:
-        result = plan(config, card_bytes_of(settings.gpu_gb), sage)
-        print_report(result, config)
+def card_of(config) -> int:
+    """The card a run is planned for, in bytes (--gpu-gb, checked: 0 is this GPU's)."""
+    gpu_gb = config.extras["memory"].gpu_gb
+    if gpu_gb < 0:
+        raise SystemExit(f"error: --gpu-gb {gpu_gb}: pass the card's memory in GB, > 0")
+    return card_bytes_of(gpu_gb)
+
+
+def forecast_if_asked(config, sage) -> None:
+    """--plan-memory: print the plan and end the program (a forecast: sage.start_run asks first,
+    before the checks of a run that would start)."""
+    if config.extras["memory"].plan_memory:
+        print_report(plan(config, card_of(config), sage), config)
         raise SystemExit(0)
+
+
+def before_loading(config, sage) -> None:
+    """On CUDA, before the model loads: a run that cannot fit is refused with one line naming the
+    flag to change (a run that fits says nothing). It simulates a step, the costliest check of a
+    run, so sage.start_run calls it after the cheap ones."""
     if plan_device() != "cuda":
         return
-    result = plan(config, card_bytes_of(settings.gpu_gb), sage, search=False)
+    result = plan(config, card_of(config), sage, search=False)
     if result["fits"]:
         return
     if not result["engine_problem"]:  # would a smaller micro-batch fit?
-        result = plan(config, card_bytes_of(settings.gpu_gb), sage)
+        result = plan(config, card_of(config), sage)
     raise SystemExit(f"error: the run {verdict(result, config)}")

@@ -120,7 +120,11 @@ def test_the_engine_share_that_cannot_fit_names_its_flags(tiny_config_dir, monke
     config = run_config(model=tiny_config_dir)
     config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=2)  # the engine alone needs > 2 GB
     monkeypatch.setattr(memory_plan, "plan_device", lambda: "cuda")
-    with pytest.raises(SystemExit, match="lower --max-seq-len, use a larger GPU, or pass --backe"):
+    with pytest.raises(SystemExit, match="lower --max-seq-len or use a larger GPU$") as refused:
+        memory_plan.before_loading(config, sage)
+    assert "--backend hf" not in str(refused.value)  # the plan does not count what hf holds
+    config.full_finetune = True  # the trainer's float32 state is what crowds the engine out
+    with pytest.raises(SystemExit, match="use a larger GPU, or drop --full-finetune"):
         memory_plan.before_loading(config, sage)
 
 
