@@ -31,7 +31,7 @@ import guides
 import loss
 import rollout
 from evaluate import EvalConfig
-from machinery import cli, flag_checks, memory_plan, models, runs, trackers
+from machinery import cli, flag_checks, hub, memory_plan, models, runs, trackers
 from machinery.batches import collate
 from machinery.data import PromptSampler, load_rows, training_problems
 from machinery.task import build_prompt_ids, load_reward_function
@@ -62,7 +62,8 @@ class Config:
 
     # ---- model and data ----
     model: str = ""
-    """Policy: a hub name or a local model directory (required; `make demo` runs a tiny one)."""
+    """Policy: a local model directory, a hub name (org/name) or a short name of the paper's
+    models such as Qwen2.5-Math-7B (required; `make demo` runs a tiny one)."""
     dataset: str = "open-r1/DAPO-Math-17k-Processed"
     """Training problems: a hub dataset or a local .jsonl/.json/.parquet/.csv file."""
     dataset_config: str = "en"
@@ -564,6 +565,7 @@ def update_policy(
 
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(argv)
+    config.model = hub.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
     run_dir, base_path = start_run(config), config.model
     # App. E.2: the SFT warm start of a base model (--sft-only ends the run there)
     if config.extras["sft"].sft_dataset:

@@ -38,6 +38,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from machinery import hub
+
 CARDS_GB = (24, 40, 48, 80, 141)
 # The paper's model, Qwen2.5-Math-7B (DeepSeek-R1-Distill-Qwen-7B has the same shape): the
 # Qwen2Config arguments of its architecture, for building it on the meta device or at random.
@@ -199,20 +201,16 @@ def cuda_kernels_on_meta():
 
 
 def read_model_config(model: str):
-    """The model's config.json (a local directory or a hub name; no weights are read). One that
-    does not read is the loader's one line (``models.load_base_model``), so a run says the same
-    whether the plan or the loader meets the model first."""
+    """The model's config.json (a local directory, or a hub name as ``hub.resolve_model`` takes
+    it; no weights are read). One that does not read is the loader's one line, so a run says the
+    same whether the plan or the loader meets the model first."""
     from transformers import AutoConfig
 
-    from machinery.data import first_line
-
+    name = hub.resolve_model(model)
     try:
-        return AutoConfig.from_pretrained(model)
+        return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as error:
-        raise SystemExit(
-            f"error: cannot load model {model!r} ({first_line(error)}); pass a local model "
-            "directory or a cached hub name"
-        ) from None
+        raise SystemExit(hub.cannot_load(name, error)) from None
 
 
 def step_rollouts(config, vocab: int, count: int, sage):
