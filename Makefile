@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 	  echo "[install] CUDA GPU found: vllm==0.32.0 (with its CUDA torch), then flash-attn if a prebuilt wheel matches"; \
-	  { command -v cc || command -v gcc; } >/dev/null 2>&1 \
-	    || { echo "[install] error: no C compiler (cc or gcc) on this node: vLLM's compiled path (Triton, torch.compile) builds kernels at run time; install one (apt-get install build-essential) and run make install again"; exit 1; }; \
+	  { if [ -n "$$CC" ]; then command -v "$$CC"; else command -v gcc || command -v clang; fi; } >/dev/null 2>&1 \
+	    || { echo "[install] error: no C compiler that Triton finds (\$$CC, else gcc or clang) on this node: vLLM's compiled path (Triton, torch.compile) builds kernels at run time; install one (apt-get install build-essential) or point CC at yours, and run make install again"; exit 1; }; \
 	  $(PY) -c "import os, sysconfig; raise SystemExit(not os.path.isfile(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
 	    || { echo "[install] error: no Python headers (Python.h) for $(PY): vLLM's compiled path builds against them; install them (apt-get install $$($(PY) -c 'import sys; print("python%d.%d-dev" % sys.version_info[:2])')) and run make install again"; exit 1; }; \
 	  $(PIP) install -e ".[cuda,trackers,trl]" || exit 1; \

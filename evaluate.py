@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import loss
 import rollout
-from machinery import cli, fast_logprobs, flag_checks
+from machinery import cli, fast_logprobs, flag_checks, hub
 from machinery import results as files
 from machinery.batches import collate
 from machinery.data import DataError, resolve_benchmarks
@@ -601,7 +601,7 @@ class EvalArgs:
     """
 
     model: str
-    """Model directory (or hub name) the engine loads."""
+    """Model directory, hub name (org/name) or short name (Qwen2.5-Math-7B) the engine loads."""
     adapter: str | None = None
     """peft LoRA adapter directory, merged into the weights in memory."""
     benchmarks: str = "aime,amc23,math500-l5"
@@ -674,7 +674,7 @@ def evaluate_and_report(args: EvalArgs) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    errors = (EvalError, DataError, rollout.RolloutError)  # one line each, not a traceback
+    errors = (EvalError, DataError, hub.ModelError, rollout.RolloutError)  # one line each
     if argv and argv[0] in ANALYSES:  # figures and tables from saved files
         from extras import analysis
 
@@ -684,8 +684,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         kind, work, prog = EvalArgs, evaluate_and_report, "evaluate.py"
     try:
         given, _ = cli.parse(kind, argv, prog, description=kind.__doc__)
-        if kind is EvalArgs and (problem := flag_checks.check_eval_args(kind(**given))):
-            raise EvalError(problem)  # before any model or benchmark loads
+        if kind is EvalArgs:
+            if problem := flag_checks.check_eval_args(kind(**given)):
+                raise EvalError(problem)  # before any model or benchmark loads
+            given["model"] = hub.resolve_model(given["model"])  # a short name -> org/name
         work(kind(**given))
     except errors as error:
         print(f"evaluate.py: error: {error}", file=sys.stderr)

@@ -31,7 +31,7 @@ import guides
 import loss
 import rollout
 from evaluate import EvalConfig
-from machinery import cli, flag_checks, memory_plan, models, runs, trackers
+from machinery import cli, flag_checks, hub, memory_plan, models, runs, trackers
 from machinery.batches import collate
 from machinery.data import PromptSampler, load_rows, training_problems
 from machinery.task import build_prompt_ids, load_reward_function
@@ -62,7 +62,8 @@ class Config:
 
     # ---- model and data ----
     model: str = ""
-    """Policy: a hub name or a local model directory (required; `make demo` runs a tiny one)."""
+    """Policy: a local model directory, a hub name (org/name) or a short name of the paper's
+    models such as Qwen2.5-Math-7B (required; `make demo` runs a tiny one)."""
     dataset: str = "open-r1/DAPO-Math-17k-Processed"
     """Training problems: a hub dataset or a local .jsonl/.json/.parquet/.csv file."""
     dataset_config: str = "en"
@@ -190,11 +191,15 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 def start_run(config: Config) -> str:
-    """<out>/<name> checked (a checkpoint needs --resume, a CUDA run must fit), seed; no write."""
-    memory_plan.before_loading(config, sage=sys.modules[__name__])  # --plan-memory ends here
+    """<out>/<name> checked, the cheapest and most specific check first: a checkpoint needs
+    --resume, a --full-finetune's weights must fit, then (on CUDA) the memory plan's simulated
+    step; seed; no write. --plan-memory prints the plan and ends the program first."""
+    this = sys.modules[__name__]
+    memory_plan.forecast_if_asked(config, sage=this)
     model = os.path.basename(config.model.rstrip("/"))
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
     flag_checks.check_run_dir(run_dir, config)
+    memory_plan.before_loading(config, sage=this)  # a CUDA run that cannot fit ends here
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     return run_dir
@@ -576,6 +581,7 @@ def update_policy(
 
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(argv)
+    config.model = hub.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
     run_dir, base_path = start_run(config), config.model
     # App. E.2: the SFT warm start of a base model (--sft-only ends the run there)
     if config.extras["sft"].sft_dataset:

@@ -338,8 +338,7 @@ def engine_sequences(
     raise CheckError(
         f"the engine's bf16 weights ({weights / 1e9:.1f} GB) and the KV cache of one sequence of "
         f"{max_model_len} tokens do not fit beside the trainer on this "
-        f"{total_bytes / 1e9:.0f} GB GPU: lower --max-seq-len, use a larger GPU, or pass "
-        "--backend hf (it samples with the trainer's own model)"
+        f"{total_bytes / 1e9:.0f} GB GPU: lower --max-seq-len or use a larger GPU"
     )
 
 

@@ -7,6 +7,7 @@ model, a dataset or an engine is touched (argparse's ``error``: usage, one line,
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 
@@ -198,6 +199,30 @@ def check_config(config, presets: dict, error) -> None:
         error(problem)
     check_reward(config.reward, error)
     check_device(error)
+    if (problem := torch_build_problem()) is not None:
+        error(problem)
+
+
+def nvidia_gpu_visible() -> bool:
+    """An NVIDIA GPU's device file is there (its driver is loaded), unless CUDA_VISIBLE_DEVICES
+    hides every GPU on purpose."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def torch_build_problem() -> str | None:
+    """A CPU build of torch on a machine with an NVIDIA GPU (a .venv made on a CPU login node)
+    would train or sample a 7B on the CPU in float32 without a word: the one line that refuses
+    it, else None. sage.py, evaluate.py, extras/trl_sage.py and bench/gpu_step.py all ask here."""
+    import torch
+
+    if torch.version.cuda is None and nvidia_gpu_visible():
+        return (
+            f"torch {torch.__version__} is a CPU build but this machine has an NVIDIA GPU (the "
+            "work would run on the CPU in float32): run `make clean install` on this node"
+        )
+    return None
 
 
 def check_device(error) -> None:
@@ -225,8 +250,9 @@ def check_reward(spec: str, error) -> None:
 
 
 def check_run_dir(run_dir: str, config) -> None:
-    """Before anything loads: a checkpoint is continued only with --resume, --resume needs one,
-    and a --full-finetune model must fit."""
+    """Before anything loads, and before the memory plan (these are cheaper and say more): a
+    checkpoint is continued only with --resume, --resume needs one, and the weights of a
+    --full-finetune model must fit the device."""
     from machinery import models, runs
 
     if not config.resume and os.path.exists(runs.checkpoint_dir(run_dir)):
@@ -259,7 +285,8 @@ def first_problem(rules: list[tuple[str, float | None, str]], paths: list[tuple[
 
 
 def check_eval_args(args) -> str | None:
-    """evaluate.py's flags (an ``EvalArgs``), before any model or benchmark loads."""
+    """evaluate.py's flags (an ``EvalArgs``), then the torch build, before any model or
+    benchmark loads."""
     try:
         seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
     except ValueError:
@@ -290,12 +317,12 @@ def check_eval_args(args) -> str | None:
     files = [p.strip() for p in args.benchmarks.split(",") if p.strip()]
     local = [("--benchmarks", p) for p in files if os.path.splitext(p)[1].lower() in LOCAL_FORMATS]
     paths = [("--model", args.model), ("--adapter", args.adapter or ""), *local]
-    return first_problem(rules, paths)
+    return first_problem(rules, paths) or torch_build_problem()
 
 
 def check_trl_args(args, sage_rules: dict[str, str]) -> str | None:
     """trl_sage's flags (a ``TRLArgs``): the flags it shares with sage.py take sage.py's ranges
-    (``sage_rules``: flag -> rule), its own take theirs; then paths, then --full-finetune's fit."""
+    (``sage_rules``: flag -> rule), its own take theirs; then paths, then the torch build."""
     own = {
         "--num-iterations": AT_LEAST_ONE,
         "--vllm-server-port": "in [1, 65535]",
@@ -313,4 +340,4 @@ def check_trl_args(args, sage_rules: dict[str, str]) -> str | None:
         return problem
     if args.max_prompt_len >= args.max_seq_len:
         return "--max-prompt-len must be below --max-seq-len"
-    return None
+    return torch_build_problem()

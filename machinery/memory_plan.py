@@ -31,14 +31,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import glob
 import json
-import os
 import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from machinery import hub
 
 CARDS_GB = (24, 40, 48, 80, 141)
 # The paper's model, Qwen2.5-Math-7B (DeepSeek-R1-Distill-Qwen-7B has the same shape): the
@@ -201,18 +201,16 @@ def cuda_kernels_on_meta():
 
 
 def read_model_config(model: str):
-    """The model's config.json (a local directory or a hub name; no weights are read)."""
+    """The model's config.json (a local directory, or a hub name as ``hub.resolve_model`` takes
+    it; no weights are read). One that does not read is the loader's one line, so a run says the
+    same whether the plan or the loader meets the model first."""
     from transformers import AutoConfig
 
-    from machinery.data import first_line
-
+    name = hub.resolve_model(model)
     try:
-        return AutoConfig.from_pretrained(model)
+        return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as error:
-        raise SystemExit(
-            f"error: cannot read the config.json of --model {model!r} ({first_line(error)}): "
-            "pass a model directory or a hub name"
-        ) from None
+        raise SystemExit(hub.cannot_load(name, error)) from None
 
 
 def step_rollouts(config, vocab: int, count: int, sage):
@@ -434,24 +432,6 @@ def plan(config, card_bytes: int, sage, search: bool = True, update: dict | None
     }
 
 
-def nvidia_gpu_visible() -> bool:
-    """An NVIDIA GPU's device file is there (its driver is loaded), unless CUDA_VISIBLE_DEVICES
-    hides every GPU on purpose."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
-        return False
-    return bool(glob.glob("/dev/nvidia[0-9]*"))
-
-
-def check_torch_build() -> None:
-    """A CPU build of torch on a machine with an NVIDIA GPU (a .venv made on a CPU login node)
-    would train a 7B on the CPU in float32 without a word: refuse it."""
-    if torch.version.cuda is None and nvidia_gpu_visible():
-        raise SystemExit(
-            f"error: torch {torch.__version__} is a CPU build but this machine has an NVIDIA GPU "
-            "(the run would train on the CPU in float32): run `make clean install` on this node"
-        )
-
-
 def plan_device() -> str:
     """Where the run will train: "cuda" or "cpu" (the plan and its refusal act on CUDA only)."""
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -467,8 +447,12 @@ def card_bytes_of(gpu_gb: float) -> int:
 
 
 def fix_for(result: dict, config) -> str:
-    """The flag to change when a run does not fit."""
+    """The flag to change when a run does not fit. --backend hf is never the advice: the plan
+    does not count what its sampling holds (generate's KV cache and logits), so it cannot say
+    that backend fits."""
     if result["engine_problem"]:
+        if config.full_finetune:  # float32 weights, gradients and moments crowd the engine out
+            return f"{result['engine_problem']}, or drop --full-finetune (LoRA)"
         return result["engine_problem"]
     largest = result["largest_micro_batch"]
     if largest:
@@ -527,23 +511,31 @@ def print_report(result: dict, config) -> None:
     print(json.dumps(result))
 
 
-def before_loading(config, sage) -> None:
-    """Before anything loads: a CPU torch beside an NVIDIA GPU is refused; --plan-memory prints
-    the plan and ends the program; on CUDA a run that cannot fit is refused with one line naming
-    the flag to change (a run that fits says nothing)."""
-    check_torch_build()
-    settings = config.extras["memory"]
-    if settings.gpu_gb < 0:
-        raise SystemExit(f"error: --gpu-gb {settings.gpu_gb}: pass the card's memory in GB, > 0")
-    if settings.plan_memory:
-        result = plan(config, card_bytes_of(settings.gpu_gb), sage)
-        print_report(result, config)
+def card_of(config) -> int:
+    """The card a run is planned for, in bytes (--gpu-gb, checked: 0 is this GPU's)."""
+    gpu_gb = config.extras["memory"].gpu_gb
+    if gpu_gb < 0:
+        raise SystemExit(f"error: --gpu-gb {gpu_gb}: pass the card's memory in GB, > 0")
+    return card_bytes_of(gpu_gb)
+
+
+def forecast_if_asked(config, sage) -> None:
+    """--plan-memory: print the plan and end the program (a forecast: sage.start_run asks first,
+    before the checks of a run that would start)."""
+    if config.extras["memory"].plan_memory:
+        print_report(plan(config, card_of(config), sage), config)
         raise SystemExit(0)
+
+
+def before_loading(config, sage) -> None:
+    """On CUDA, before the model loads: a run that cannot fit is refused with one line naming the
+    flag to change (a run that fits says nothing). It simulates a step, the costliest check of a
+    run, so sage.start_run calls it after the cheap ones."""
     if plan_device() != "cuda":
         return
-    result = plan(config, card_bytes_of(settings.gpu_gb), sage, search=False)
+    result = plan(config, card_of(config), sage, search=False)
     if result["fits"]:
         return
     if not result["engine_problem"]:  # would a smaller micro-batch fit?
-        result = plan(config, card_bytes_of(settings.gpu_gb), sage)
+        result = plan(config, card_of(config), sage)
     raise SystemExit(f"error: the run {verdict(result, config)}")

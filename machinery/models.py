@@ -28,7 +28,7 @@ from peft import LoraConfig, get_peft_model
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from machinery.data import first_line
+from machinery import hub
 
 
 def device_and_dtype(full_finetune: bool = False) -> tuple[torch.device, torch.dtype]:
@@ -108,10 +108,7 @@ def load_base_model(
             path, dtype=dtype, attn_implementation=attention_implementation(dtype)
         )
     except (OSError, ValueError) as error:
-        raise SystemExit(
-            f"error: cannot load model {path!r} ({first_line(error)}); pass a local model "
-            "directory or a cached hub name"
-        ) from None
+        raise SystemExit(hub.cannot_load(path, error)) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if gradient_checkpointing:

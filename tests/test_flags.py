@@ -4,6 +4,7 @@ there is swept too; the subprocess cases are the ones a user types."""
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -139,3 +140,40 @@ def test_evaluate_refuses_a_probe_that_would_not_measure_the_sampler(argv, messa
     code = evaluate.main(["--model", "m", "--benchmarks", "aime", "--solution-key", "s", *argv])
     error = capsys.readouterr().err
     assert code == 2 and message in error and len(error.strip().splitlines()) == 1
+
+
+def test_a_cpu_torch_beside_an_nvidia_gpu_is_refused_by_every_entry_point(
+    tmp_path, monkeypatch, capsys
+):
+    """One guard (flag_checks.torch_build_problem), one line from each command that would run a
+    model on the GPU: sage.py, evaluate.py, extras/trl_sage.py and bench/gpu_step.py."""
+    import torch
+    from test_bench import bench_script
+
+    import evaluate
+    from extras import trl_sage
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(flag_checks, "nvidia_gpu_visible", lambda: True)
+    refusal = r"CPU build but this machine has an NVIDIA GPU .*make clean install"
+    assert re.search(refusal, flag_checks.torch_build_problem())
+    out = ["--out", str(tmp_path / "out")]
+    for run in (
+        lambda: sage.main(["--model", "m", *out]),
+        lambda: trl_sage.main(["--model", "m", *out]),
+        lambda: bench_script("gpu_step").main(["--small"]),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            run()
+        said = capsys.readouterr().err.strip().splitlines() or [str(stop.value.code)]
+        assert re.search(refusal, said[-1]), said  # the usage line (argparse), then the error
+    assert evaluate.main(["--model", "m", "--out", str(tmp_path / "r.json")]) == 2
+    assert re.search(refusal, capsys.readouterr().err.strip().splitlines()[-1])
+    assert not (tmp_path / "out").exists() and not (tmp_path / "r.json").exists()
+    monkeypatch.setattr(flag_checks, "nvidia_gpu_visible", lambda: False)
+    assert flag_checks.torch_build_problem() is None  # a CPU machine: nothing to say
+
+
+def test_hiding_every_gpu_on_purpose_is_no_visible_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not flag_checks.nvidia_gpu_visible()

@@ -66,10 +66,17 @@ def test_a_cuda_install_checks_the_gpu_and_a_flash_attn_wheel_imports():
 def test_a_cuda_install_checks_for_a_c_compiler_and_python_headers():
     """vLLM's compiled path builds kernels on the node at run time: a missing compiler or
     Python.h is one line at install time, with the package to install, not a failure mid-run."""
-    cuda_branch = read("Makefile").split("CUDA GPU found", 1)[1].split("else \\", 1)[0]
-    compiler = next(line for line in cuda_branch.splitlines() if "command -v cc" in line)
-    assert "command -v gcc" in compiler
+    cuda_branch = read("Makefile").split("CUDA GPU found", 1)[1].split("else \\\n", 1)[0]
+    compiler = next(line for line in cuda_branch.splitlines() if "command -v gcc" in line)
+    # Triton's own search (triton/runtime/build.py): $CC as given, else gcc, else clang; a
+    # plain `cc` it never tries
+    assert 'command -v "$$CC"' in compiler and "command -v clang" in compiler
+    assert "command -v cc" not in cuda_branch
     errors = [line for line in cuda_branch.splitlines() if "[install] error: no" in line]
-    assert any("C compiler" in line and "build-essential" in line for line in errors)
+    assert any(
+        "C compiler that Triton finds" in line and "gcc or clang" in line and "\\$$CC" in line
+        for line in errors
+    )
+    assert any("build-essential" in line for line in errors)
     assert any("Python.h" in line and "-dev" in line for line in errors)
     assert cuda_branch.index("Python.h") < cuda_branch.index('$(PIP) install -e ".[cuda')

@@ -645,3 +645,39 @@ def test_a_run_that_cannot_start_ends_in_one_line_and_writes_nothing(
     text = str(ended.value)
     assert message in text and "\n" not in text and "internet" not in text
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("a directory without a model", "cannot load model"),  # as in the test above
+        ("a 7B --full-finetune", "--full-finetune of a 7.6B-parameter model needs about"),
+    ],
+)
+def test_on_cuda_the_cheap_checks_speak_before_the_memory_plan(
+    case, message, tmp_path, monkeypatch
+):
+    """The memory plan runs on CUDA only, so this CPU forces its path (an 80 GB card): a model
+    directory without a model and a 7B --full-finetune (tests/test_sage_cli.py) give the same
+    line as on the CPU, not the plan's, and no --backend hf advice the plan cannot back."""
+    from transformers import Qwen2Config
+
+    from machinery import memory_plan
+
+    card = type("Card", (), {"total_memory": 80 * 10**9})
+    monkeypatch.setattr(memory_plan, "plan_device", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
+    (tmp_path / "model").mkdir()
+    argv = ["--model", str(tmp_path / "model"), "--out", str(tmp_path / "runs"), "--name", "x"]
+    if case == "a 7B --full-finetune":
+        seven_b = Qwen2Config(**memory_plan.QWEN25_MATH_7B, tie_word_embeddings=False)
+        seven_b.save_pretrained(tmp_path / "model")
+        argv += ["--full-finetune"]
+    else:
+        argv += ["--backend", "hf"]
+    with pytest.raises((SystemExit, cli.UsageError)) as ended:
+        sage.main(argv)
+    text = str(ended.value)
+    assert message in text and "\n" not in text and "--backend hf" not in text, text
+    assert not (tmp_path / "runs").exists()
