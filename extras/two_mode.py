@@ -1,0 +1,662 @@
+"""Theorem 4.3 in the real trainer: a task where Eq. 4 predicts a large lift from the branch guide,
+sage.py trained on it arm by arm, and each trained pi(B) held against its exact prediction.
+
+    python -m extras.two_mode --out runs/two-mode               # the study (docs/two-mode.md)
+    python -m extras.two_mode --predict-only --out runs/two-mode  # the SFT starts and predictions
+    python -m extras.two_mode --tiny --out runs/two-mode-tiny    # a few minutes
+
+The task, built by code as the demo's is. Every prompt asks the same thing in one of a few
+phrasings. A completion first picks a mode, then writes K digits:
+
+    A (pi_ref about 0.95), then K digits, each 0 (0.97) or 1 (0.03): right only if all are 0;
+    B (pi_ref about 0.05), then K digits, each one of M near-even choices: always right.
+
+B's positions have entropy about ln M > tau, so the branch guide (Eq. 11) raises the anchor there
+by q = 1 + ratio (ln M - tau) per position; its tokens do not change the reward, so RL does not
+sharpen them and the policy's own q stays there too. A position's q is one number for all its
+tokens, so it cancels from its own choice; it enters pi(B) at the root through B's soft value.
+With k1 in the return the fixed point is Eq. 4 itself, and
+
+    pi(B) = pB q^K / (pB q^K + (1 - pB) 0.97^K)      (without a guide: q = 1),
+
+so the guide lifts log pi(B) by about K log q (+0.8 nats at K = 3, M = 10). Under k3 (and k2) a
+position's penalty only sees its own tokens, and the predicted lift is 0: a negative control.
+
+Per seed, the study (1) makes the SFT start: the demo's tiny model fine-tuned on completions drawn
+from that distribution; (2) predicts, exactly: the start's own next-token probabilities at every
+node of the task's tree (teacher-forced, no sampling) solved by toy.backward for each arm;
+(3) trains each arm with sage.py (vLLM rollouts, weight push, loss, guide), its evaluations
+probing log pi(B | x) exactly (--eval-solution-format prefix); (4) summarizes predicted and
+trained log pi(B), and each guided arm's lift over the unguided arm of its estimator, paired by
+seed, with 95% intervals over seeds, against the rule written before the arms ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import random
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from extras.compare import interval, paired_difference, run
+
+# ---- 1. The task ------------------------------------------------------------------------------
+
+PHRASINGS = (
+    "Pick a mode, then write the digits.",
+    "Choose A or B and continue.",
+    "Write a mode and its digits.",
+    "Start with a mode, then the digits.",
+)
+MODES = ("A", "B")
+
+
+@dataclass(frozen=True)
+class TwoModeTask:
+    """The task's distribution: K digits after the mode, M choices after B, pi_ref(B), and the
+    probability of each right digit after A."""
+
+    k: int = 3
+    m: int = 10
+    p_b: float = 0.05
+    p_right: float = 0.97
+
+    def __post_init__(self):
+        if not (1 <= self.k <= 6 and 2 <= self.m <= 10):
+            raise ValueError(
+                f"K must be in [1, 6] and M in [2, 10] (digits); got {self.k}, {self.m}"
+            )
+        if not (0.0 < self.p_b < 1.0 and 0.5 < self.p_right < 1.0):
+            raise ValueError("p_b must be in (0, 1) and p_right in (0.5, 1)")
+
+    @property
+    def answer(self) -> str:
+        """What the reward reads from a problem's answer field: the task's K and M.
+
+        >>> TwoModeTask(k=3, m=8).answer
+        'k=3 m=8'
+        """
+        return f"k={self.k} m={self.m}"
+
+    @classmethod
+    def from_answer(cls, answer: str) -> TwoModeTask:
+        found = re.fullmatch(r"k=(\d+) m=(\d+)", answer.strip())
+        if found is None:
+            raise ValueError(f"a two-mode answer field reads 'k=K m=M', got {answer!r}")
+        return cls(k=int(found[1]), m=int(found[2]))
+
+    def is_right(self, text: str) -> bool:
+        """A then K zeros, or B then K digits below M.
+
+        >>> task = TwoModeTask(k=3, m=4)
+        >>> [task.is_right(t) for t in ("A000", "A010", "B312", "B314", "B31", "C000")]
+        [True, False, True, False, False, False]
+        """
+        text = text.strip()
+        if len(text) != self.k + 1 or not text[1:].isdigit():
+            return False
+        if text[0] == "A":
+            return set(text[1:]) == {"0"}
+        return text[0] == "B" and all(int(digit) < self.m for digit in text[1:])
+
+    def sample(self, rng: random.Random) -> str:
+        """One completion drawn from the task's pi_ref (the SFT data)."""
+        if rng.random() < self.p_b:
+            return "B" + "".join(str(rng.randrange(self.m)) for _ in range(self.k))
+        return "A" + "".join("0" if rng.random() < self.p_right else "1" for _ in range(self.k))
+
+
+def reward(completions, problems, answers) -> list[float]:
+    """sage.py's --reward extras.two_mode:reward: 1 for a right completion, else 0."""
+    return [float(TwoModeTask.from_answer(a).is_right(c)) for c, a in zip(completions, answers)]
+
+
+def sft_examples(task: TwoModeTask, count: int, seed: int) -> list[dict]:
+    """``count`` SFT examples {problem, completion}: the phrasings in turn, completions drawn from
+    the task's distribution."""
+    rng = random.Random(seed)
+    return [
+        {"problem": PHRASINGS[i % len(PHRASINGS)], "completion": task.sample(rng)}
+        for i in range(count)
+    ]
+
+
+# ---- 2. The exact prediction from an SFT start ------------------------------------------------
+
+
+OTHER, PAD = -1, -2  # the tree's stand-ins for "any token off the task" and what follows it
+
+
+class TaskTree:
+    """The task's completions as a toy.exact.TokenTree over the tokenizer's own ids, with its
+    rewards: a mode, K digits and EOS (A's digits 0 or 1, B's below M), and at every node one
+    more child, OTHER, that stands for every token off the task. A completion through OTHER is
+    wrong (it cannot read as a mode and K digits), so it is one leaf with reward 0, padded to the
+    common length with PAD nodes of one child (the per-token estimators' solver wants one
+    length). Lumping it is exact under Eq. 4 wherever q = 1 below it, and the guide's q at its
+    own node is the node's (a branch q is one number per position)."""
+
+    def __init__(self, task: TwoModeTask, tokenizer):
+        from toy.exact import TokenTree
+
+        def token(text: str) -> int:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) != 1:
+                raise ValueError(f"{text!r} is not one token of this tokenizer: {ids}")
+            return ids[0]
+
+        self.mode_ids = {mode: token(mode) for mode in MODES}
+        digits, eos = [token(str(d)) for d in range(10)], tokenizer.eos_token_id
+        length = task.k + 2  # mode, K digits, EOS
+        a_paths = [
+            (self.mode_ids["A"], *bits, eos)
+            for bits in itertools.product(digits[:2], repeat=task.k)
+        ]
+        b_paths = [
+            (self.mode_ids["B"], *chosen, eos)
+            for chosen in itertools.product(digits[: task.m], repeat=task.k)
+        ]
+        self.task_nodes = sorted({y[:t] for y in a_paths + b_paths for t in range(length)})
+        other_paths = [s + (OTHER,) + (PAD,) * (length - len(s) - 1) for s in self.task_nodes]
+        self.tree = TokenTree(a_paths + b_paths + other_paths)
+        right = {a_paths[0]} | set(b_paths)  # A's all-zero path is the first
+        self.rewards = torch.tensor(
+            [float(y in right) for y in self.tree.completions], dtype=torch.float64
+        )
+        self.b_param = self.tree.offsets[0] + self.tree.children[0].index(self.mode_ids["B"])
+        self.a_param = self.tree.offsets[0] + self.tree.children[0].index(self.mode_ids["A"])
+
+    def log_pi_b(self, theta: torch.Tensor) -> float:
+        """log pi(B | x) as the sampler draws it: the root's A and B kept, the tail (OTHER, far
+        below min-p's threshold) cut, so pi(B) / (pi(A) + pi(B))."""
+        log_probs = self.tree.param_log_probs(theta)
+        both = torch.logaddexp(log_probs[self.a_param], log_probs[self.b_param])
+        return (log_probs[self.b_param] - both).item()
+
+
+@torch.no_grad()
+def node_distributions(model, prompt_ids: list[int], task_tree: TaskTree, batch_size: int = 512):
+    """pi_ref at every node of the tree, teacher-forced at temperature 1 (no sampling): (theta
+    [P], the full-vocabulary entropy H of every node [N]). A task node's OTHER child gets the mass
+    off its task tokens; a PAD node's one child gets 1 (and H = 0)."""
+    tree = task_tree.tree
+    device = next(model.parameters()).device
+    theta = torch.zeros(tree.num_params, dtype=torch.float64)  # PAD nodes: log 1
+    entropies = torch.zeros(len(tree.nodes), dtype=torch.float64)
+    by_length: dict[int, list[tuple]] = {}
+    for node in task_tree.task_nodes:
+        by_length.setdefault(len(node), []).append(node)
+    for nodes in by_length.values():
+        for start in range(0, len(nodes), batch_size):
+            chunk = nodes[start : start + batch_size]
+            inputs = torch.tensor([prompt_ids + list(node) for node in chunk], device=device)
+            log_probs = model(input_ids=inputs).logits[:, -1].double().log_softmax(dim=-1).cpu()
+            for row, node in enumerate(chunk):
+                i = tree.node_id[node]
+                children = tree.children[i]  # OTHER (-1) sorts first
+                on_task = log_probs[row, torch.tensor(children[1:])]  # [c - 1]
+                other = torch.log1p(-on_task.exp().sum().clamp(max=1.0 - 1e-15))
+                theta[tree.offsets[i] : tree.offsets[i] + len(children)] = torch.cat(
+                    [other[None], on_task]
+                )
+                entropies[i] = -(log_probs[row].exp() * log_probs[row]).sum()
+    return theta, entropies
+
+
+# The arms: sage.py's flags, and how toy.backward predicts each one's fixed point. Every arm uses
+# RLOO's advantage (an unbiased baseline: the toy's node conditions hold with beta as given; GRPO's
+# std would rescale the reward against the penalty, docs/estimators.md).
+ARMS = {
+    "k1_return": {
+        "flags": ["--kl-estimator", "k1_return", "--guide", "none"],
+        "estimator": "k1_return",
+        "guide": None,
+    },
+    "k1_return_branch_ref": {
+        "flags": [
+            "--kl-estimator",
+            "k1_return",
+            "--guide",
+            "branch",
+            "--guide-entropy",
+            "reference",
+        ],
+        "estimator": "k1_return",
+        "guide": "reference",
+    },
+    "k1_return_branch": {
+        "flags": ["--kl-estimator", "k1_return", "--guide", "branch"],
+        "estimator": "k1_return",
+        "guide": "policy",
+    },
+    "k3": {"flags": ["--kl-estimator", "k3", "--guide", "none"], "estimator": "k3", "guide": None},
+    "k3_branch": {
+        "flags": ["--kl-estimator", "k3", "--guide", "branch"],
+        "estimator": "k3",
+        "guide": "policy",
+    },
+}
+# each guided arm's lift is paired with the unguided arm of its estimator
+UNGUIDED = {
+    "k1_return_branch_ref": "k1_return",
+    "k1_return_branch": "k1_return",
+    "k3_branch": "k3",
+}
+
+
+def predict_arms(
+    task_tree: TaskTree, ref_theta: torch.Tensor, ref_entropies: torch.Tensor, beta: float
+) -> dict[str, float]:
+    """log pi(B) at each arm's fixed point, and at pi_ref ("start"), from pi_ref's tree logits
+    [P] and its full-vocabulary entropies [N].
+
+    q held at pi_ref's entropies (Eq. 11 on the entropies the trainer reads):
+    ``backward.fixed_point`` with that q; q from the policy's own entropies:
+    ``backward.self_consistent_fixed_point`` (the tree's entropies, OTHER as one token).
+    """
+    import guides
+    from toy import backward
+
+    tree, rewards, branch = task_tree.tree, task_tree.rewards, guides.GuideConfig(name="branch")
+    predicted = {"start": task_tree.log_pi_b(ref_theta)}
+    node_q = guides.branch_guide(ref_entropies, tau=branch.tau, ratio=branch.ratio).double()
+    ref_log_q = node_q.clamp(branch.q_min, branch.q_max).log()[tree.node_of_param]  # [P]
+    for arm, spec in ARMS.items():
+        if spec["guide"] == "policy":
+            theta, _ = backward.self_consistent_fixed_point(
+                tree, ref_theta, rewards, estimator=spec["estimator"], beta=beta, config=branch
+            )
+        else:
+            log_q = torch.zeros(tree.num_params, dtype=torch.float64)
+            if spec["guide"] == "reference":
+                log_q = ref_log_q
+            theta = backward.fixed_point(
+                tree, ref_theta, rewards, log_q, estimator=spec["estimator"], beta=beta
+            )
+        predicted[arm] = task_tree.log_pi_b(theta)
+    return predicted
+
+
+def predict_start(model_dir: str, task: TwoModeTask, beta: float) -> dict:
+    """The prediction of every arm from one SFT start, averaged over the phrasings (log pi(B) is
+    averaged as the probe averages it), with the largest probability, over the phrasings, that
+    pi_ref writes a completion off the task (through OTHER), and the largest gap between the
+    full-vocabulary entropy (what the trainer's guide reads) and the tree's (OTHER lumped) at B's
+    positions."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from machinery.task import build_prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    task_tree = TaskTree(task, tokenizer)
+    tree = task_tree.tree
+    per_phrasing, off_task, entropy_gap = [], 0.0, 0.0
+    for phrasing in PHRASINGS:
+        theta, entropies = node_distributions(
+            model, build_prompt_ids(tokenizer, phrasing), task_tree
+        )
+        per_phrasing.append(predict_arms(task_tree, theta, ref_entropies=entropies, beta=beta))
+        # the probability that pi_ref writes a completion through OTHER
+        through_other = [i for i, y in enumerate(tree.completions) if OTHER in y]
+        off_task = max(off_task, tree.sequence_logps(theta)[through_other].exp().sum().item())
+        b_nodes = [
+            tree.node_id[s] for s in task_tree.task_nodes if s[:1] == (task_tree.mode_ids["B"],)
+        ]
+        gap = (entropies - tree.node_entropies(theta))[b_nodes].abs().max().item()
+        entropy_gap = max(entropy_gap, gap)
+    names = per_phrasing[0]
+    return {
+        "log_pi_b": {
+            name: sum(p[name] for p in per_phrasing) / len(per_phrasing) for name in names
+        },
+        "per_phrasing": per_phrasing,
+        "max_off_task_probability": off_task,
+        "max_entropy_gap_at_b": entropy_gap,
+    }
+
+
+# ---- 3. The stages of one seed: its SFT start, its prediction, each arm's training ------------
+
+
+def train_flags(args, prompt_len: int) -> list[str]:
+    """sage.py's flags shared by every arm: the demo's laptop-sized step on the two-mode task,
+    with an exact probe of log pi(B | x) at every evaluation."""
+    budget = args.k + 2 + 2  # the mode, K digits and EOS, and room for a longer mistake
+    return [
+        *["--steps", str(args.steps), "--prompts-per-step", "8", "--rollouts", "8"],
+        *["--micro-batch-size", "64", "--no-gradient-checkpointing"],
+        *[
+            "--lr",
+            str(args.lr),
+            "--warmup-ratio",
+            "0.05",
+            "--lora-rank",
+            "16",
+            "--lora-alpha",
+            "32",
+        ],
+        *["--max-prompt-len", str(prompt_len), "--max-seq-len", str(prompt_len + budget)],
+        *["--advantage", "rloo", "--beta", str(args.beta)],
+        *["--reward", "extras.two_mode:reward", "--problem-key", "problem"],
+        *["--answer-key", "answer", "--gpu-memory-utilization", "0.2", "--save-every", "100000"],
+        *["--eval-every", str(args.eval_every), "--eval-n", "1", "--eval-temperature", "1.0"],
+        *["--eval-top-p", "1.0", "--eval-solution-key", "mode", "--eval-solution-format", "prefix"],
+    ]
+
+
+def make_start(seed_dir: str, seed: int, args) -> dict[str, str]:
+    """The seed's SFT start (the demo's tiny model, its own init, fine-tuned on completions drawn
+    from the task) and the task's files; kept if made already."""
+    import sage
+    from extras import demo, sft
+    from machinery import runs
+    from machinery.data import tokenize_sft_examples
+
+    task = TwoModeTask(k=args.k, m=args.m)
+    files = {
+        "model": os.path.join(seed_dir, "sft_model"),
+        "train": os.path.join(seed_dir, "train.jsonl"),
+        "probe": os.path.join(seed_dir, "probe.jsonl"),
+    }
+    rows = [{"problem": p, "answer": task.answer, "mode": "B"} for p in PHRASINGS]
+    runs.write_jsonl_atomic(files["train"], rows)
+    runs.write_jsonl_atomic(files["probe"], rows)
+    if os.path.exists(os.path.join(files["model"], "config.json")):
+        return files
+    torch.manual_seed(seed)
+    init_dir = demo.save_tiny_model(os.path.join(seed_dir, "init_model"), seed=seed)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(init_dir)
+    examples = sft_examples(task, count=args.sft_examples, seed=seed + 1)
+    pairs, _ = tokenize_sft_examples(tokenizer, examples, max_tokens=1024)
+    settings = sft.SFTConfig(sft_epochs=args.sft_epochs, sft_lr=2e-3, sft_batch_size=16)
+    sft.sft(model, pairs, tokenizer.pad_token_id, settings, sage.Config(seed=seed), progress=False)
+    runs.save_model_atomic(model, tokenizer, files["model"])
+    import shutil
+
+    shutil.rmtree(init_dir, ignore_errors=True)
+    return files
+
+
+def prompt_length(model_dir: str) -> int:
+    from transformers import AutoTokenizer
+
+    from machinery.task import build_prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return max(len(build_prompt_ids(tokenizer, p)) for p in PHRASINGS)
+
+
+def train_arm(seed_dir: str, seed: int, arm: str, files: dict, args) -> str:
+    """Train one arm from the seed's start (a finished arm is kept; a killed one starts again)."""
+    run_dir = os.path.join(seed_dir, arm)
+    if os.path.exists(os.path.join(run_dir, "done")):
+        return run_dir
+    if os.path.exists(run_dir):
+        import shutil
+
+        shutil.rmtree(run_dir)
+    command = [
+        *["sage.py", "--model", files["model"], "--dataset", files["train"]],
+        *["--eval-benchmarks", files["probe"], "--out", seed_dir, "--name", arm],
+        *["--seed", str(seed), *train_flags(args, prompt_length(files["model"]))],
+        *shlex.split(args.flags),
+        *ARMS[arm]["flags"],
+    ]
+    run(command, threads=args.threads)
+    with open(os.path.join(run_dir, "done"), "w") as handle:
+        handle.write("trained\n")
+    return run_dir
+
+
+def trajectory(run_dir: str) -> list[dict]:
+    """[{step, log_pi_b, log_pi_b_full}] from the run's evaluations: the probe's mean over the
+    phrasings of log pi(B | x), under the sampler's distribution (min-p) and pi_T's full softmax."""
+    from machinery.runs import read_jsonl
+
+    points = []
+    for row in read_jsonl(os.path.join(run_dir, "eval.jsonl")):
+        entry = row["support"]["all"]
+        points.append(
+            {
+                "step": row["step"],
+                "log_pi_b": entry["mean_logp"],
+                "log_pi_b_full": entry["mean_logp_full"],
+            }
+        )
+    return points
+
+
+def run_seed(seed: int, args) -> dict:
+    """One seed: its start, its prediction, every arm trained; {prediction, arms: trajectories}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    seed_dir = os.path.join(args.out, f"seed-{seed}")
+    os.makedirs(seed_dir, exist_ok=True)
+    files = make_start(seed_dir, seed, args)
+    prediction_file = os.path.join(seed_dir, "prediction.json")
+    if not os.path.exists(prediction_file):
+        from machinery.runs import write_json_atomic
+
+        task = TwoModeTask(k=args.k, m=args.m)
+        write_json_atomic(prediction_file, predict_start(files["model"], task, beta=args.beta))
+    with open(prediction_file) as handle:
+        prediction = json.load(handle)
+    result = {"prediction": prediction, "arms": {}}
+    if args.predict_only:
+        return result
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        done = dict(
+            zip(args.arms, pool.map(lambda a: train_arm(seed_dir, seed, a, files, args), args.arms))
+        )
+    result["arms"] = {arm: trajectory(run_dir) for arm, run_dir in done.items()}
+    return result
+
+
+# ---- 4. The summary: predicted and trained log pi(B), lifts paired by seed, the rule ----------
+
+RULE = (
+    "A guided k1_return arm reproduces Theorem 4.3 when the 95% interval over seeds of its lift "
+    "in the final log pi(B) over the k1_return arm without a guide (paired by seed) excludes 0 "
+    "and contains the mean predicted lift. The k3 control holds when the interval of k3_branch's "
+    "lift over k3 contains 0."
+)
+
+
+def summarize(per_seed: dict[int, dict], args, seconds: float) -> dict:
+    """Per arm and seed: predicted, trained (the last evaluation) and start log pi(B); per arm,
+    intervals over seeds of each, of trained minus predicted, and of the lift over the unguided
+    arm of its estimator, predicted and trained; the verdict of ``RULE``."""
+    arms = [arm for arm in args.arms if all(arm in s["arms"] for s in per_seed.values())]
+    table = {}
+    for arm in arms:
+        seeds = {}
+        for seed, result in per_seed.items():
+            points = result["arms"][arm]
+            seeds[seed] = {
+                "start": result["prediction"]["log_pi_b"]["start"],
+                "predicted": result["prediction"]["log_pi_b"][arm],
+                "trained": points[-1]["log_pi_b"],
+                "trained_full": points[-1]["log_pi_b_full"],
+            }
+            seeds[seed]["trained_minus_predicted"] = (
+                seeds[seed]["trained"] - seeds[seed]["predicted"]
+            )
+        table[arm] = {"per_seed": seeds}
+        for measure in ("start", "predicted", "trained", "trained_full", "trained_minus_predicted"):
+            table[arm][measure] = interval([values[measure] for values in seeds.values()])
+    for arm, unguided in UNGUIDED.items():
+        if arm in table and unguided in table:
+            guided_seeds, plain_seeds = table[arm]["per_seed"], table[unguided]["per_seed"]
+            table[arm]["lift_predicted"] = paired_difference(guided_seeds, plain_seeds, "predicted")
+            table[arm]["lift_trained"] = paired_difference(guided_seeds, plain_seeds, "trained")
+    return {
+        "settings": {**{k: v for k, v in vars(args).items() if k != "out"}},
+        "rule": RULE,
+        "arms": table,
+        "verdict": verdict(table),
+        "trajectories": {
+            arm: {seed: result["arms"][arm] for seed, result in per_seed.items()} for arm in arms
+        },
+        "wall_seconds": seconds,
+    }
+
+
+def verdict(table: dict) -> dict[str, str]:
+    """``RULE`` applied to each guided arm: reproduced / not reproduced / too few seeds."""
+    found = {}
+    for arm in UNGUIDED:
+        lift = table.get(arm, {}).get("lift_trained")
+        if lift is None or lift["low"] is None:
+            found[arm] = "too few seeds"
+            continue
+        predicted = table[arm]["lift_predicted"]["mean"]
+        contains_prediction = lift["low"] <= predicted <= lift["high"]
+        excludes_zero = lift["low"] > 0 or lift["high"] < 0
+        if arm.startswith("k3"):
+            holds = lift["low"] <= 0 <= lift["high"]
+            found[arm] = "control holds (contains 0)" if holds else "control fails (excludes 0)"
+        else:
+            holds = excludes_zero and contains_prediction
+            found[arm] = (
+                "reproduced"
+                if holds
+                else (
+                    f"not reproduced (excludes 0: {excludes_zero}, contains the prediction "
+                    f"{predicted:+.2f}: {contains_prediction})"
+                )
+            )
+    return found
+
+
+def format_report(summary: dict) -> str:
+    """The table: per arm, start, predicted and trained log pi(B), trained - predicted, and the
+    lift over the unguided arm (predicted; trained), means with 95% intervals over seeds."""
+
+    def cell(value: dict | None) -> str:
+        if not value or value["mean"] is None:
+            return "-"
+        if value["low"] is None:
+            return f"{value['mean']:+.3f}"
+        return f"{value['mean']:+.3f} [{value['low']:+.2f}, {value['high']:+.2f}]"
+
+    columns = ("predicted", "trained", "trained_minus_predicted", "lift_predicted", "lift_trained")
+    lines = [f"{'arm':22}" + "".join(f"{c:>28}" for c in columns)]
+    for arm, entry in summary["arms"].items():
+        lines.append(f"{arm:22}" + "".join(f"{cell(entry.get(c)):>28}" for c in columns))
+    lines += [f"{arm}: {text}" for arm, text in summary["verdict"].items()]
+    return "\n".join(lines)
+
+
+def plot(summary: dict, out: str) -> None:
+    """pi(B) against the step per arm (mean over seeds of the probe's log pi(B), as
+    exp), with each arm's predicted fixed point as a dashed line of its colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(8, 4.5))
+    for colour, (arm, seeds) in enumerate(summary["trajectories"].items()):
+        runs = list(seeds.values())
+        steps = [point["step"] for point in runs[0]]
+        means = [sum(run[i]["log_pi_b"] for run in runs) / len(runs) for i in range(len(steps))]
+        axis.plot(steps, [math.exp(m) for m in means], color=f"C{colour}", label=arm)
+        predicted = summary["arms"][arm]["predicted"]["mean"]
+        axis.axhline(math.exp(predicted), color=f"C{colour}", linestyle="--", linewidth=1)
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("pi(B | x): exp of the mean over phrasings and seeds of log pi(B | x)")
+    seconds = summary["wall_seconds"]
+    seeds = len(next(iter(summary["trajectories"].values())))
+    axis.set_title(
+        f"two-mode task: trained (lines) vs Eq. 4 / toy fixed point (dashed), {seeds} seeds, "
+        f"{seconds / 60:.0f} min",
+        fontsize=9,
+    )
+    axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+# ---- 5. The command line ----------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m extras.two_mode", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--out", default="runs/two-mode", help="the study's directory")
+    parser.add_argument("--seeds", type=int, default=4, help="training seeds")
+    parser.add_argument("--first-seed", type=int, default=1000, help="the first seed")
+    parser.add_argument("--steps", type=int, default=400, help="optimizer steps per arm")
+    parser.add_argument("--eval-every", type=int, default=25, help="steps between probes")
+    parser.add_argument("--beta", type=float, default=0.05, help="the KL coefficient")
+    parser.add_argument("--lr", type=float, default=1e-3, help="the learning rate of every arm")
+    parser.add_argument("--k", type=int, default=3, help="digits after the mode")
+    parser.add_argument("--m", type=int, default=10, help="choices per digit after B")
+    parser.add_argument("--sft-examples", type=int, default=2400, help="SFT examples per start")
+    parser.add_argument("--sft-epochs", type=int, default=2, help="SFT epochs per start")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated arms")
+    parser.add_argument("--flags", default="", help="sage.py flags added to every arm")
+    parser.add_argument("--jobs", type=int, default=2, help="arms trained at once")
+    parser.add_argument("--threads", type=int, default=0, help="cores per job (0: split)")
+    parser.add_argument(
+        "--predict-only", action="store_true", help="make the starts and their predictions only"
+    )
+    parser.add_argument("--tiny", action="store_true", help="2 seeds, 60 steps: a few minutes")
+    args = parser.parse_args(argv)
+    args.arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
+    unknown = [arm for arm in args.arms if arm not in ARMS]
+    if unknown:
+        parser.error(f"unknown --arms {', '.join(unknown)}: choose among {', '.join(ARMS)}")
+    if args.tiny:
+        args.seeds, args.steps, args.eval_every, args.sft_examples = 2, 60, 20, 800
+    for name in ("seeds", "steps", "eval_every", "jobs", "k", "m", "sft_examples", "sft_epochs"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not (args.beta > 0 and args.lr > 0):
+        parser.error("--beta and --lr must be > 0")
+    TwoModeTask(k=args.k, m=args.m)  # K and M in range
+    args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """The study: every seed's start, prediction and arms, then summary.json, the report and
+    pi_b.png in --out (a killed study run again keeps the starts, predictions and finished arms)."""
+    from machinery.runs import write_json_atomic
+
+    args = parse_args(argv)
+    started = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    per_seed = {}
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        per_seed[seed] = run_seed(seed, args)
+        print(f"two_mode: seed {seed} done ({time.perf_counter() - started:.0f} s)", flush=True)
+    if args.predict_only:
+        predictions = {seed: result["prediction"]["log_pi_b"] for seed, result in per_seed.items()}
+        write_json_atomic(os.path.join(args.out, "predictions.json"), predictions)
+        print(json.dumps(predictions, indent=1))
+        return predictions
+    summary = summarize(per_seed, args, seconds=time.perf_counter() - started)
+    write_json_atomic(os.path.join(args.out, "summary.json"), summary)
+    plot(summary, os.path.join(args.out, "pi_b.png"))
+    print(format_report(summary))
+    return summary
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
