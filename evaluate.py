@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import guides
 import loss
 import rollout
 from machinery import cli, fast_logprobs, flag_checks, hub
@@ -315,6 +316,52 @@ def evaluation_rows(engine, tokenizer, benchmarks: dict, n: int, seed: int, samp
     return rows
 
 
+def training_benchmarks(config) -> dict:
+    """What a sage.py run's --eval-every evaluates: {name: [Problem]} ({} when it is off;
+    flag_checks insists on benchmarks when it is on). With --eval-solution-key every benchmark
+    must hold a reference solution in that field, the support probe's input: else one line naming
+    the flag. Loaded before the run directory is written, so a bad file leaves nothing behind."""
+    if config.eval.eval_every <= 0:
+        return {}
+    resolved = resolve_benchmarks(
+        config.eval.eval_benchmarks,
+        solution_key=config.eval.eval_solution_key,
+        group_key=config.eval.eval_group_key,
+    )
+    benchmarks = {name: problems for name, (_, problems) in resolved.items()}
+    check_solutions(benchmarks, config.eval.eval_solution_key, flag="--eval-solution-key")
+    return benchmarks
+
+
+def training_evaluation(
+    engine, tokenizer, benchmarks: dict, config, updates: int, policy=None
+) -> list[dict]:
+    """The rows of a sage.py run's --eval-every after ``updates`` optimizer steps
+    (``evaluation_rows`` at the evaluation's sampling); with --eval-solution-key, each also holds
+    the support probe and the guide map of ``policy`` (``support_and_guide_map``)."""
+    sampling = EvalSampling(
+        temperature=config.eval.eval_temperature,
+        top_p=config.eval.eval_top_p,
+        top_k=config.top_k,
+        min_p=config.min_p,
+        max_tokens=config.max_seq_len - config.max_prompt_len,
+    )
+    rows = evaluation_rows(
+        engine,
+        tokenizer,
+        benchmarks,
+        n=config.eval.eval_n,
+        seed=config.seed,
+        sampling=sampling,
+        step=updates,
+    )
+    for row in rows:
+        if policy is not None and config.eval.eval_solution_key:
+            problems = benchmarks[row["benchmark"]]
+            row.update(support_and_guide_map(policy, tokenizer, problems, config, updates))
+    return rows
+
+
 # ---- 3. Support: the exact probability of a known solution (Theorem 4.3) ---------------------
 
 # supp_delta is the fraction of problems whose reference solution has pi(y*|x) >= delta
@@ -494,6 +541,69 @@ def support_probe(
     return summary, probes
 
 
+GUIDE_MAP_PROBLEMS = 3  # problems whose y* the guide map draws
+
+
+def support_and_guide_map(policy, tokenizer, problems, config, updates: int) -> dict:
+    """A sage.py run's support probe: {"support": the probe's summary per group, "guide_map": per
+    token of y*, for the first ``GUIDE_MAP_PROBLEMS`` problems of the "hard" group (or the first
+    problems): the tokens, H_t of the distribution the loss reads (and of both: the full
+    softmax's and its min-p truncation's), the branch guide's q_t and log M_t, the log of the
+    mass min-p keeps, at this policy after ``updates`` steps}; {} when no problem has y*."""
+    probed = support_probe(
+        policy,
+        tokenizer,
+        problems,
+        temperature=config.temperature,
+        min_p=config.min_p,
+        batch_size=config.micro_batch_size,
+        solution_format=config.eval.eval_solution_format,
+    )
+    if probed is None:
+        return {}
+    summary, probes = probed
+    summary.pop("per_problem_logp")
+    with_solution = [p for p in problems if p.solution]
+    shown = [i for i, p in enumerate(with_solution) if p.group == "hard"] or list(
+        range(len(with_solution))
+    )
+    branch = dataclasses.replace(config.guide, name="branch")
+    guide_map = []
+    for index in shown[:GUIDE_MAP_PROBLEMS]:
+        probe, problem = probes[index], with_solution[index]
+        # H_t of the distribution the run's loss and guide read (--loss-distribution)
+        read = probe.entropies_kept if config.loss.distribution == "min_p" else probe.entropies
+        entropies = torch.tensor([read])  # [1, C]
+        log_q = guides.compute_log_q(
+            branch,
+            logps=torch.tensor([probe.token_logps]),
+            entropies=entropies,
+            completion_mask=torch.ones_like(entropies),
+            step=updates,
+            total_steps=config.steps,
+        )
+        ids = reference_completion_ids(
+            tokenizer,
+            problem.solution,
+            problem.answer,
+            solution_format=config.eval.eval_solution_format,
+        )
+        guide_map.append(
+            {
+                "problem": problem.problem,
+                "tokens": [tokenizer.decode([token]) for token in ids],
+                "entropy": read,
+                "entropy_full": probe.entropies,
+                "entropy_kept": probe.entropies_kept,
+                "log_kept_mass": probe.log_kept_mass,
+                "q": log_q.exp()[0].tolist(),
+                "logp": probe.token_logps_full,
+                "kept": probe.kept,
+            }
+        )
+    return {"support": summary, "guide_map": guide_map}
+
+
 # ---- 4. The command line: a run over benchmarks, atomic results, resume ----------------------
 
 
@@ -531,7 +641,11 @@ def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
         write_json_atomic(args.out, results)
     todo = files.pending_seeds(results, seeds, list(benchmarks), args.out)
     if todo:
-        engine = files.start_engine(args, make_engine)
+        engine = files.start_engine(
+            args,
+            make_engine=make_engine or rollout.make_engine,
+            cuda_fraction=rollout.CUDA_STANDALONE_MEMORY_FRACTION,
+        )
         prompts = {
             name: [build_prompt_ids(engine.tokenizer, p.problem) for p in problems]
             for name, (_, problems) in benchmarks.items()

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from machinery import engine_checks, vllm_cpu
+from machinery import engine_checks, memory_plan, vllm_cpu
+from machinery.cli import UsageError
 from machinery.engine_checks import (
     CheckError,
     check_prompts,
@@ -42,7 +43,7 @@ CUDA_DEFAULT_MEMORY_FRACTION = 0.3
 CUDA_STANDALONE_MEMORY_FRACTION = 0.9
 
 
-class RolloutError(ValueError):
+class RolloutError(UsageError):
     """A rollout engine cannot do what was asked; the message names the problem and the fix."""
 
 
@@ -176,7 +177,7 @@ class VLLMEngine:
         starting = contextlib.nullcontext()
         if on_cuda:
             with rollout_errors():  # the trainer's engine holds as much of a step as fits
-                fraction, llm_kwargs = engine_checks.engine_share(
+                fraction, llm_kwargs = memory_plan.gpu_share_and_limits(
                     config,
                     max_model_len=self.max_model_len,
                     llm_kwargs=llm_kwargs,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+import evaluate
 import guides
 import loss
 import rollout
@@ -183,7 +184,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
         sections=extras,
     )
     config.extras = sections
-    flag_checks.check_config(config, PRESETS, parser.error)
+    flag_checks.check_config(config, presets=PRESETS, backends=rollout.BACKENDS, error=parser.error)
     return config
 
 
@@ -194,12 +195,11 @@ def start_run(config: Config) -> str:
     """<out>/<name> checked, the cheapest and most specific check first: a checkpoint needs
     --resume, a --full-finetune's weights must fit, then (on CUDA) the memory plan's simulated
     step; seed; no write. --plan-memory prints the plan and ends the program first."""
-    this = sys.modules[__name__]
-    memory_plan.forecast_if_asked(config, sage=this)
+    memory_plan.forecast_if_asked(config, step=planned_step())
     model = os.path.basename(config.model.rstrip("/"))
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
     flag_checks.check_run_dir(run_dir, config)
-    memory_plan.before_loading(config, sage=this)  # a CUDA run that cannot fit ends here
+    memory_plan.before_loading(config, step=planned_step())  # a CUDA run that cannot fit ends here
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     return run_dir
@@ -576,6 +576,18 @@ def update_policy(
     return {**metrics.result(), "grad_norm": sum(grad_norms) / len(grad_norms)}
 
 
+def planned_step() -> memory_plan.TrainerStep:
+    """The step the memory plan simulates (machinery/memory_plan.py): this chapter's functions."""
+    return memory_plan.TrainerStep(
+        rollouts=Rollouts,
+        needs_reference=needs_reference,
+        micro_batches=micro_batches,
+        held_fixed_logps=held_fixed_logps,
+        compute_advantages=loss.compute_advantages,
+        update_policy=update_policy,
+    )
+
+
 # ---- main(): the run, stage by stage -----------------------------------------------------------
 
 
@@ -595,10 +607,16 @@ def main(argv: list[str] | None = None) -> dict:
     prompt_sampler = PromptSampler(len(problems), config.seed)
     state = (policy, optimizer, scheduler, prompt_sampler, guide_generator)  # a checkpoint's
     reward_function = load_reward_function(config.reward)
-    held_out = trackers.eval_benchmarks(config)  # what --eval-every evaluates
+    held_out = evaluate.training_benchmarks(config)  # what --eval-every evaluates
     runs.save_run_config(run_dir, config)  # the run can start: model, data and reward loaded
     start = runs.restore_or_start(config.resume, run_dir, state=state)
-    logger = trackers.RunLogger(config, run_dir, tokenizer=tokenizer, benchmarks=held_out)
+    logger = trackers.RunLogger(
+        config,
+        run_dir,
+        tokenizer=tokenizer,
+        benchmarks=held_out,
+        evaluation=evaluate.training_evaluation,
+    )
     engine = start_engine(config, base_path, policy=policy, reference=reference)
     # pass@k (and the support probe) of the starting policy
     logger.evaluate(engine, updates=start, first=True, policy=policy)

@@ -182,12 +182,11 @@ class UsageError(ValueError):
 
 
 def run(main) -> None:
-    """Run a command's ``main()``; the errors it reports for bad input end in one line, exit 1."""
-    import rollout
-
+    """Run a command's ``main()``; the errors it reports for bad input (``UsageError``, which
+    rollout.RolloutError is too) end in one line, exit 1."""
     try:
         main()
-    except (UsageError, rollout.RolloutError, FloatingPointError) as error:
+    except (UsageError, FloatingPointError) as error:
         sys.exit(f"error: {error}")
 
 

@@ -16,7 +16,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ["sage", "rollout", "guides", "loss", "evaluate"]
 PACKAGES = ["extras", "machinery", "toy"]
-LIMITS = {"sage": 700, "guides": 400, "loss": 450, "rollout": 500, "evaluate": 800}
+LIMITS = {"sage": 700, "guides": 400, "loss": 450, "rollout": 500, "evaluate": 850}
 CHAPTERS_LIMIT = 2700  # the five chapters
 MACHINERY_LIMIT = 4500  # the machinery/ modules that `import sage` loads
 
@@ -189,6 +189,27 @@ def test_no_import_cycle_among_the_projects_modules():
     for module in sorted(graph):
         visit(module, [])
     assert "sage" not in graph["evaluate"] and "evaluate" in graph["sage"]
+
+
+def test_machinery_imports_no_chapter():
+    """Imports go one way: the chapters use machinery/, never the reverse (an import inside a
+    function counts); a chapter passes machinery what it needs as values."""
+    offenders = []
+    for path in source_files():
+        if not module_name(path).startswith("machinery"):
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            offenders += [
+                f"{os.path.relpath(path, REPO)}:{node.lineno} imports {name}"
+                for name in names
+                if name.split(".")[0] in CORE
+            ]
+    assert not offenders, offenders
 
 
 def test_every_file_opens_with_what_it_holds():
