@@ -32,6 +32,7 @@ import guides
 import loss
 import rollout
 from evaluate import EvalConfig
+from extras.flags import DynamicSamplingConfig, HintsConfig, SFTConfig
 from machinery import cli, flag_checks, hub, memory_plan, models, runs, trackers
 from machinery.batches import collate
 from machinery.data import PromptSampler, load_rows, training_problems
@@ -48,12 +49,13 @@ PRESETS = {
     "bnpo": ["--advantage", "bnpo", "--loss-agg", "batch_token_mean", "--kl", "none"],
     "dapo": ["--loss-agg", "dapo", "--eps-high", "0.28", "--kl", "none", "--dynamic-sampling"],
 }
-# The extras' knobs, parsed with Config; each extra is imported only where its flag is on.
+# The extras' knobs, parsed with Config (extras/flags.py holds only these dataclasses); each
+# extra's code is imported only where its flag is on.
 EXTRAS = {
-    "memory": "machinery.memory_plan:PlanConfig",  # --plan-memory, --gpu-gb (not an extra)
-    "sft": "extras.sft:SFTConfig",
-    "dynamic_sampling": "extras.dynamic_sampling:DynamicSamplingConfig",
-    "hints": "extras.hints:HintsConfig",
+    "memory": memory_plan.PlanConfig,  # --plan-memory, --gpu-gb (not an extra)
+    "sft": SFTConfig,
+    "dynamic_sampling": DynamicSamplingConfig,
+    "hints": HintsConfig,
 }
 
 
@@ -174,14 +176,13 @@ EPILOG = (
 def parse_config(argv: list[str] | None = None) -> Config:
     """The command line -> Config: the --algo preset's flags, then the user's (which win)."""
     argv = cli.expand_preset(sys.argv[1:] if argv is None else list(argv), PRESETS)
-    extras = {name: cli.import_object(path) for name, path in EXTRAS.items()}
     config, sections, parser = cli.parse_config(
         Config,
         argv,
         prog="sage.py",
         description=__doc__.split("\n")[0],
         epilog=EPILOG,
-        sections=extras,
+        sections=EXTRAS,
     )
     config.extras = sections
     flag_checks.check_config(config, presets=PRESETS, backends=rollout.BACKENDS, error=parser.error)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import importlib
 import inspect
 import sys
 import typing
@@ -164,16 +163,6 @@ def parse_config(
 def positional(**kwargs):
     """A dataclass field read from positional arguments (one or more)."""
     return dataclasses.field(default_factory=list, metadata={"positional": True}, **kwargs)
-
-
-def import_object(path: str):
-    """The object named "package.module:name", imported.
-
-    >>> import_object("machinery.cli:positional").__name__
-    'positional'
-    """
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 class UsageError(ValueError):
