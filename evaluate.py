@@ -297,7 +297,9 @@ def evaluate_problems(
     seeds_out = {}
     for seed in seeds:
         config = sampling_config(sampling, n, seed)
-        samples = generate_and_grade(engine, prompts, problems, config, pool, progress=False)
+        samples = generate_and_grade(
+            engine, prompts, problems=problems, sampling=config, pool=pool, progress=False
+        )
         seeds_out[str(seed)] = samples.seed_entry(n, ks)
     summary = summarize_seeds(list(seeds_out.values()), ks)
     return {"num_problems": len(problems), "ks": ks, "seeds": seeds_out, "pass_at_k": summary}
@@ -309,7 +311,9 @@ def evaluation_rows(engine, tokenizer, benchmarks: dict, n: int, seed: int, samp
     stderr}}."""
     rows = []
     for name, problems in benchmarks.items():
-        results = evaluate_problems(engine, tokenizer, problems, n, (seed,), sampling)
+        results = evaluate_problems(
+            engine, tokenizer, problems=problems, n=n, seeds=(seed,), sampling=sampling
+        )
         means = {f"pass@{k}": value["mean"] for k, value in results["pass_at_k"].items()}
         row = {"step": step, "benchmark": name, "num_problems": len(problems), "n": n}
         rows.append({**row, **means, "pass_at_k": results["pass_at_k"]})
@@ -358,7 +362,10 @@ def training_evaluation(
     for row in rows:
         if policy is not None and config.eval.eval_solution_key:
             problems = benchmarks[row["benchmark"]]
-            row.update(support_and_guide_map(policy, tokenizer, problems, config, updates))
+            probe = support_and_guide_map(
+                policy, tokenizer, problems=problems, config=config, updates=updates
+            )
+            row.update(probe)
     return rows
 
 
@@ -656,7 +663,14 @@ def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
                 problems = [p for name in names for p in benchmarks[name][1]]
                 batch = [ids for name in names for ids in prompts[name]]
                 config = sampling_config(sampling, args.n, seed)
-                samples = generate_and_grade(engine, batch, problems, config, pool, args.progress)
+                samples = generate_and_grade(
+                    engine,
+                    batch,
+                    problems=problems,
+                    sampling=config,
+                    pool=pool,
+                    progress=args.progress,
+                )
                 done = {name: (benchmarks[name][1], prompts[name]) for name in names}
                 files.record_seed(results, args, seed, done, samples)
                 write_json_atomic(args.out, recompute_summaries(results))

@@ -352,7 +352,7 @@ def pad_rows(rows: list[list[float]], length: int, device) -> torch.Tensor:
 def engine_gap(old_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor) -> dict:
     """Trainer/engine log-prob mismatch on the sampled tokens (kernels and precision differ even
     with equal weights): mean |diff| and the mean and max of the ratio pi_trainer / pi_engine.
-    old_logps, engine_logps, mask: [B, T]."""
+    old_logps, engine_logps, mask: [B, C]."""
     diff = (old_logps.detach() - engine_logps) * mask
     count = mask.sum().clamp_min(1)
     ratio = torch.exp(diff) * mask

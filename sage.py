@@ -36,6 +36,7 @@ from extras.flags import DynamicSamplingConfig, HintsConfig, SFTConfig
 from machinery import cli, flag_checks, hub, memory_plan, models, runs, trackers
 from machinery.batches import collate
 from machinery.data import PromptSampler, load_rows, training_problems
+from machinery.loss_metrics import anchor_offset
 from machinery.task import build_prompt_ids, load_reward_function
 
 # ---- Configuration: one typed dataclass, a docstring per field, parsed once --------------------
@@ -555,8 +556,8 @@ def update_policy(
                 fixed=fixed,
                 config=config.loss,
                 step_tokens=step_tokens,
-                q_constant_per_position=constant_q,
             )
+            micro_metrics |= anchor_offset(fixed.log_q, mask, q_constant=constant_q)
             if not torch.isfinite(micro_loss):
                 raise FloatingPointError(f"the loss is {micro_loss.item()}: lower --lr or --beta")
             weight = loss.micro_batch_weight(
