@@ -8,8 +8,10 @@ Read top to bottom, this is an evaluation run:
 2. Sampling: one engine call per seed with n samples per prompt (the paper's evaluation config:
    temperature 0.3, top-p 0.95, min-p 0.01), then grading in a pool with hard timeouts
    (machinery/task.py), per-problem correct counts, pass@k. The trainer's --eval-every
-   (``EvalConfig``) calls ``evaluation_rows`` on its own engine.
-3. The command line, ``python evaluate.py --model PATH ...`` (``run_evaluation``): benchmarks by
+   (``EvalConfig``, ``training_evaluation``) calls ``evaluation_rows`` on its own engine.
+3. Support: the exact log pi(y*|x) of a known solution y*, teacher-forced at the sampler's
+   temperature and min-p (``support_probe``, Theorem 4.3), and the trainer's guide map along y*.
+4. The command line, ``python evaluate.py --model PATH ...`` (``run_evaluation``): benchmarks by
    name or a local file, an adapter merged in memory, a results file written atomically after
    every seed, resume (machinery/results.py); the subcommands ``plot``, ``patterns`` and
    ``perplexity`` of extras/analysis.py.
@@ -384,7 +386,7 @@ def supp_key(delta: float) -> str:
     return f"supp@{delta:g}"
 
 
-def reference_completion_ids(
+def solution_completion_ids(
     tokenizer, solution: str, answer: str, solution_format: str = "paper"
 ) -> list[int]:
     """y*: with solution_format "paper", a reference solution in the paper's answer format (App.
@@ -394,9 +396,9 @@ def reference_completion_ids(
 
     >>> from extras.demo import build_tiny_tokenizer
     >>> tokenizer = build_tiny_tokenizer()
-    >>> tokenizer.decode(reference_completion_ids(tokenizer, "7+5=12", "12"))
+    >>> tokenizer.decode(solution_completion_ids(tokenizer, "7+5=12", "12"))
     '<start_working_out>7+5=12<end_working_out><SOLUTION>12</SOLUTION><|im_end|>'
-    >>> tokenizer.decode(reference_completion_ids(tokenizer, "7+5", "12", solution_format="prefix"))
+    >>> tokenizer.decode(solution_completion_ids(tokenizer, "7+5", "12", solution_format="prefix"))
     '7+5'
     """
     if solution_format == "prefix":
@@ -420,7 +422,7 @@ def min_p_keeps(logits: torch.Tensor, token_ids: torch.Tensor, temperature: floa
 
 
 @dataclass
-class ReferenceLogps:
+class SolutionLogps:
     """Teacher-forced y* of one problem under one policy, per token [C] (C = len(y*))."""
 
     token_logps: list[float]  # log pi(y*_t | x, y*_<t), temperature and min-p replayed
@@ -442,7 +444,7 @@ class ReferenceLogps:
 
 
 @torch.no_grad()
-def reference_logps(
+def solution_logps(
     model,
     prompts: list[list[int]],
     completions: list[list[int]],
@@ -450,7 +452,7 @@ def reference_logps(
     min_p: float,
     pad_id: int,
     batch_size: int = 8,
-) -> list[ReferenceLogps]:
+) -> list[SolutionLogps]:
     """One teacher-forced forward pass per batch of (prompt, y*) pairs: per token, log pi(y*_t)
     as the sampler draws (``loss.token_logps_and_entropies``, the definition, with temperature
     and min-p), the same without min-p, the entropy H_t, and whether min-p keeps y*_t. No samples
@@ -470,7 +472,7 @@ def reference_logps(
         kept = min_p_keeps(logits, completion_ids, temperature, min_p)
         for row, length in enumerate(mask.sum(dim=1).long().tolist()):
             results.append(
-                ReferenceLogps(
+                SolutionLogps(
                     token_logps=logps[row, :length].tolist(),
                     token_logps_full=logps_full[row, :length].tolist(),
                     entropies=entropies[row, :length].tolist(),
@@ -482,19 +484,19 @@ def reference_logps(
     return results
 
 
-def support_summary(probes: Sequence[ReferenceLogps], groups: Sequence[str]) -> dict:
+def support_summary(probes: Sequence[SolutionLogps], groups: Sequence[str]) -> dict:
     """Per group of problems (and "all"): the mean log pi(y*) over the problems inside the
     sampler's support, the mean without min-p over every problem, supp_delta for each delta of
     ``SUPPORT_DELTAS`` (a problem outside the support counts as pi(y*) = 0) and the fraction
     outside min-p's support.
 
-    >>> inside = ReferenceLogps([-0.5, -1.0], [-0.6, -1.1], [0.1, 0.2], [0.1, 0.2], [True, True])
-    >>> outside = ReferenceLogps([-0.1, -9.0], [-0.1, -9.0], [0.1, 2.0], [0.1, 0.0], [True, False])
+    >>> inside = SolutionLogps([-0.5, -1.0], [-0.6, -1.1], [0.1, 0.2], [0.1, 0.2], [True, True])
+    >>> outside = SolutionLogps([-0.1, -9.0], [-0.1, -9.0], [0.1, 2.0], [0.1, 0.0], [True, False])
     >>> summary = support_summary([inside, outside], ["easy", "hard"])
     >>> summary["all"]["supp@0.1"], summary["hard"]["outside"], summary["all"]["mean_logp"]
     (0.5, 1.0, -1.5)
     """
-    by_group: dict[str, list[ReferenceLogps]] = {"all": list(probes)}
+    by_group: dict[str, list[SolutionLogps]] = {"all": list(probes)}
     for probe, group in zip(probes, groups):
         if group:
             by_group.setdefault(group, []).append(probe)
@@ -522,19 +524,19 @@ def support_probe(
     min_p: float,
     batch_size: int = 8,
     solution_format: str = "paper",
-) -> tuple[dict, list[ReferenceLogps]] | None:
+) -> tuple[dict, list[SolutionLogps]] | None:
     """The support probe of a policy on the problems that have a reference solution: its
     ``support_summary`` with, per problem, log pi(y*|x) (None for -inf: outside the support),
-    and the per-token ``ReferenceLogps``. None when no problem has a reference solution."""
+    and the per-token ``SolutionLogps``. None when no problem has a reference solution."""
     with_solution = [p for p in problems if p.solution]
     if not with_solution:
         return None
     prompts = [build_prompt_ids(tokenizer, p.problem) for p in with_solution]
     completions = [
-        reference_completion_ids(tokenizer, p.solution, p.answer, solution_format=solution_format)
+        solution_completion_ids(tokenizer, p.solution, p.answer, solution_format=solution_format)
         for p in with_solution
     ]
-    probes = reference_logps(
+    probes = solution_logps(
         model,
         prompts,
         completions,
@@ -589,7 +591,7 @@ def support_and_guide_map(policy, tokenizer, problems, config, updates: int) -> 
             step=updates,
             total_steps=config.steps,
         )
-        ids = reference_completion_ids(
+        ids = solution_completion_ids(
             tokenizer,
             problem.solution,
             problem.answer,

@@ -7,7 +7,8 @@ on disk), generates, and on CUDA puts the engine to sleep while it updates. Each
 is that of the distribution it was sampled from, softmax(logits / T) after the min-p, top-k and
 top-p masks (TRL keeps the raw model's); loss.py replays them, so on-policy the two agree.
 
-Beside it: machinery/engine_checks.py (one-line errors), machinery/vllm_cpu.py (vLLM's CPU
+Beside it: machinery/engine_checks.py (one-line errors), machinery/memory_plan.py (the
+engine's share of the GPU), machinery/vllm_cpu.py (vLLM's CPU
 backend, docs/vllm-cpu.md), machinery/weight_push.py (a LoRA adapter merged out of place) and
 extras/hf_engine.py (the same interface over transformers ``generate``, backend "hf").
 """

@@ -232,8 +232,8 @@ def load_problems(config: Config, tokenizer) -> list[dict]:
 
 def load_policy(config: Config, base_path: str):
     """(policy, frozen reference or None, optimizer, scheduler, tokenizer): LoRA adapters on the
-    base, whose reference is the base with the adapters off (no copy; a frozen copy only with
-    --full-finetune); AdamW with linear warmup and decay (Table 8)."""
+    model at ``base_path``, whose reference pi_ref is that model with the adapters off (no copy; a
+    frozen copy only with --full-finetune); AdamW with linear warmup and decay (Table 8)."""
     model, tokenizer = models.load_base_model(
         base_path,
         gradient_checkpointing=config.gradient_checkpointing,
@@ -257,8 +257,8 @@ def load_policy(config: Config, base_path: str):
 
 
 def start_engine(config: Config, base_path: str, policy, reference):
-    """The rollout engine on the base model, in the trainer's dtype, with the policy's weights;
-    on CUDA it holds as many of a step's sequences as fit beside the trainer."""
+    """The rollout engine on the model at ``base_path``, in the trainer's dtype, with the
+    policy's weights; on CUDA it holds as many of a step's sequences as fit beside the trainer."""
     dtype = "bfloat16" if next(policy.parameters()).dtype == torch.bfloat16 else "float32"
     limits = {}
     if config.backend == "vllm":  # sized to one step's batch
@@ -279,7 +279,7 @@ def start_engine(config: Config, base_path: str, policy, reference):
         model=policy if config.backend == "hf" else None,  # the HF backend samples from the policy
         **limits,
     )
-    if config.resume:  # a fresh policy equals the base the engine loaded (LoRA starts at B = 0)
+    if config.resume:  # a fresh policy equals the model the engine loaded (LoRA starts at B = 0)
         engine.sync_weights(policy)
     return engine
 
