@@ -255,9 +255,11 @@ def load_policy(config: Config, base_path: str):
 
 
 def start_engine(config: Config, base_path: str, policy, reference):
-    """The rollout engine on the base model, in the trainer's dtype, with the policy's weights;
-    on CUDA it holds as many of a step's sequences as fit beside the trainer."""
-    dtype = "bfloat16" if next(policy.parameters()).dtype == torch.bfloat16 else "float32"
+    """The rollout engine on the base model, with the policy's weights: bf16 on CUDA (as the
+    memory plan counts it, even where --full-finetune trains float32 weights: the push casts
+    them), float32 on the CPU; on CUDA it holds as many of a step's sequences as fit beside the
+    trainer."""
+    dtype = str(models.device_and_dtype()[1]).removeprefix("torch.")
     limits = {}
     if config.backend == "vllm":  # sized to one step's batch
         limits = rollout.engine_limits(

@@ -222,6 +222,22 @@ def test_engine_weights_of_a_lora_model_are_the_merged_weights_and_leave_the_bas
             assert not torch.allclose(peft_model(probe).logits, adapted_logits, atol=1e-3)
 
 
+def test_a_push_into_a_bf16_engine_casts_float32_weights_one_tensor_at_a_time(base_model):
+    """--full-finetune trains float32 weights; the engine on CUDA is bf16: each pushed tensor is
+    the weight (or the merged LoRA weight) rounded to bf16, and the trainer's stay float32."""
+    with weight_push.engine_weights(base_model, dtype=torch.bfloat16) as weights:
+        for (name, pushed), parameter in zip(weights, base_model.parameters()):
+            assert pushed.dtype == torch.bfloat16, name
+            assert torch.equal(pushed, parameter.detach().to(torch.bfloat16)), name
+    assert all(p.dtype == torch.float32 for p in base_model.parameters())
+    peft_model = lora_policy(base_model, seed=0)
+    with weight_push.engine_weights(peft_model) as weights:
+        merged = dict(weights)["model.layers.0.mlp.up_proj.weight"].clone()
+    with weight_push.engine_weights(peft_model, dtype=torch.bfloat16) as weights:
+        pushed = dict(weights)["model.layers.0.mlp.up_proj.weight"]
+    assert pushed.dtype == torch.bfloat16 and torch.equal(pushed, merged.to(torch.bfloat16))
+
+
 # --------------------------------------------------------------------------------------------
 # The hf engine alone (cheap)
 # --------------------------------------------------------------------------------------------
