@@ -190,19 +190,21 @@ def parse_config(argv: list[str] | None = None) -> Config:
 # ---- Setting up: the run directory, the problems, the policy and its reference, the engine -----
 
 
-def start_run(config: Config) -> str:
+def start_run(config: Config) -> tuple[str, float | None]:
     """<out>/<name> checked, the cheapest and most specific check first: a checkpoint needs
     --resume, a --full-finetune's weights must fit, then (on CUDA) the memory plan's simulated
-    step; seed; no write. --plan-memory prints the plan and ends the program first."""
+    step, whose forecast peak in GB comes back with the run directory (None on the CPU); seed;
+    no write. --plan-memory prints the plan and ends the program first."""
     this = sys.modules[__name__]
     memory_plan.forecast_if_asked(config, sage=this)
     model = os.path.basename(config.model.rstrip("/"))
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
     flag_checks.check_run_dir(run_dir, config)
-    memory_plan.before_loading(config, sage=this)  # a CUDA run that cannot fit ends here
+    # On CUDA a run that cannot fit ends here; one that fits gets its forecast peak
+    forecast_gb = memory_plan.before_loading(config, sage=this)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
-    return run_dir
+    return run_dir, forecast_gb
 
 
 def needs_reference(config: Config) -> bool:
@@ -584,7 +586,7 @@ def update_policy(
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(argv)
     config.model = hub.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
-    run_dir, base_path = start_run(config), config.model
+    (run_dir, forecast_gb), base_path = start_run(config), config.model
     # App. E.2: the SFT warm start of a base model (--sft-only ends the run there)
     if config.extras["sft"].sft_dataset:
         from extras import sft
@@ -600,7 +602,9 @@ def main(argv: list[str] | None = None) -> dict:
     held_out = trackers.eval_benchmarks(config)  # what --eval-every evaluates
     runs.save_run_config(run_dir, config)  # the run can start: model, data and reward loaded
     start = runs.restore_or_start(config.resume, run_dir, state=state)
-    logger = trackers.RunLogger(config, run_dir, tokenizer=tokenizer, benchmarks=held_out)
+    logger = trackers.RunLogger(
+        config, run_dir, tokenizer=tokenizer, benchmarks=held_out, forecast_gb=forecast_gb
+    )
     engine = start_engine(config, base_path, policy=policy, reference=reference)
     # pass@k (and the support probe) of the starting policy
     logger.evaluate(engine, updates=start, first=True, policy=policy)

@@ -571,15 +571,16 @@ def forecast_if_asked(config, sage) -> None:
         raise SystemExit(0)
 
 
-def before_loading(config, sage) -> None:
+def before_loading(config, sage) -> float | None:
     """On CUDA, before the model loads: a run that cannot fit is refused with one line naming the
-    flag to change (a run that fits says nothing). It simulates a step, the costliest check of a
-    run, so sage.start_run calls it after the cheap ones."""
+    flag to change; a run that fits says nothing and gets its forecast peak in GB (the run's
+    logger compares it with the peaks measured; None on the CPU). It simulates a step, the
+    costliest check of a run, so sage.start_run calls it after the cheap ones."""
     if plan_device() != "cuda":
-        return
+        return None
     result = plan(config, card_of(config), sage, search=False)
     if result["fits"]:
-        return
+        return result["run_peak_gb"]
     if not result["engine_problem"]:  # would a smaller micro-batch fit?
         result = plan(config, card_of(config), sage)
     raise SystemExit(f"error: the run {verdict(result, config)}")
