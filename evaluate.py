@@ -8,8 +8,10 @@ Read top to bottom, this is an evaluation run:
 2. Sampling: one engine call per seed with n samples per prompt (the paper's evaluation config:
    temperature 0.3, top-p 0.95, min-p 0.01), then grading in a pool with hard timeouts
    (machinery/task.py), per-problem correct counts, pass@k. The trainer's --eval-every
-   (``EvalConfig``) calls ``evaluation_rows`` on its own engine.
-3. The command line, ``python evaluate.py --model PATH ...`` (``run_evaluation``): benchmarks by
+   (``EvalConfig``, ``training_evaluation``) calls ``evaluation_rows`` on its own engine.
+3. Support: the exact log pi(y*|x) of a known solution y*, teacher-forced at the sampler's
+   temperature and min-p (``support_probe``, Theorem 4.3), and the trainer's guide map along y*.
+4. The command line, ``python evaluate.py --model PATH ...`` (``run_evaluation``): benchmarks by
    name or a local file, an adapter merged in memory, a results file written atomically after
    every seed, resume (machinery/results.py); the subcommands ``plot``, ``patterns`` and
    ``perplexity`` of extras/analysis.py.
@@ -30,6 +32,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import guides
 import loss
 import rollout
 from machinery import cli, fast_logprobs, flag_checks, hub
@@ -296,7 +299,9 @@ def evaluate_problems(
     seeds_out = {}
     for seed in seeds:
         config = sampling_config(sampling, n, seed)
-        samples = generate_and_grade(engine, prompts, problems, config, pool, progress=False)
+        samples = generate_and_grade(
+            engine, prompts, problems=problems, sampling=config, pool=pool, progress=False
+        )
         seeds_out[str(seed)] = samples.seed_entry(n, ks)
     summary = summarize_seeds(list(seeds_out.values()), ks)
     return {"num_problems": len(problems), "ks": ks, "seeds": seeds_out, "pass_at_k": summary}
@@ -308,10 +313,61 @@ def evaluation_rows(engine, tokenizer, benchmarks: dict, n: int, seed: int, samp
     stderr}}."""
     rows = []
     for name, problems in benchmarks.items():
-        results = evaluate_problems(engine, tokenizer, problems, n, (seed,), sampling)
+        results = evaluate_problems(
+            engine, tokenizer, problems=problems, n=n, seeds=(seed,), sampling=sampling
+        )
         means = {f"pass@{k}": value["mean"] for k, value in results["pass_at_k"].items()}
         row = {"step": step, "benchmark": name, "num_problems": len(problems), "n": n}
         rows.append({**row, **means, "pass_at_k": results["pass_at_k"]})
+    return rows
+
+
+def training_benchmarks(config) -> dict:
+    """What a sage.py run's --eval-every evaluates: {name: [Problem]} ({} when it is off;
+    flag_checks insists on benchmarks when it is on). With --eval-solution-key every benchmark
+    must hold a reference solution in that field, the support probe's input: else one line naming
+    the flag. Loaded before the run directory is written, so a bad file leaves nothing behind."""
+    if config.eval.eval_every <= 0:
+        return {}
+    resolved = resolve_benchmarks(
+        config.eval.eval_benchmarks,
+        solution_key=config.eval.eval_solution_key,
+        group_key=config.eval.eval_group_key,
+    )
+    benchmarks = {name: problems for name, (_, problems) in resolved.items()}
+    check_solutions(benchmarks, config.eval.eval_solution_key, flag="--eval-solution-key")
+    return benchmarks
+
+
+def training_evaluation(
+    engine, tokenizer, benchmarks: dict, config, updates: int, policy=None
+) -> list[dict]:
+    """The rows of a sage.py run's --eval-every after ``updates`` optimizer steps
+    (``evaluation_rows`` at the evaluation's sampling); with --eval-solution-key, each also holds
+    the support probe and the guide map of ``policy`` (``support_and_guide_map``)."""
+    sampling = EvalSampling(
+        temperature=config.eval.eval_temperature,
+        top_p=config.eval.eval_top_p,
+        top_k=config.top_k,
+        min_p=config.min_p,
+        max_tokens=config.max_seq_len - config.max_prompt_len,
+    )
+    rows = evaluation_rows(
+        engine,
+        tokenizer,
+        benchmarks,
+        n=config.eval.eval_n,
+        seed=config.seed,
+        sampling=sampling,
+        step=updates,
+    )
+    for row in rows:
+        if policy is not None and config.eval.eval_solution_key:
+            problems = benchmarks[row["benchmark"]]
+            probe = support_and_guide_map(
+                policy, tokenizer, problems=problems, config=config, updates=updates
+            )
+            row.update(probe)
     return rows
 
 
@@ -330,7 +386,7 @@ def supp_key(delta: float) -> str:
     return f"supp@{delta:g}"
 
 
-def reference_completion_ids(
+def solution_completion_ids(
     tokenizer, solution: str, answer: str, solution_format: str = "paper"
 ) -> list[int]:
     """y*: with solution_format "paper", a reference solution in the paper's answer format (App.
@@ -340,9 +396,9 @@ def reference_completion_ids(
 
     >>> from extras.demo import build_tiny_tokenizer
     >>> tokenizer = build_tiny_tokenizer()
-    >>> tokenizer.decode(reference_completion_ids(tokenizer, "7+5=12", "12"))
+    >>> tokenizer.decode(solution_completion_ids(tokenizer, "7+5=12", "12"))
     '<start_working_out>7+5=12<end_working_out><SOLUTION>12</SOLUTION><|im_end|>'
-    >>> tokenizer.decode(reference_completion_ids(tokenizer, "7+5", "12", solution_format="prefix"))
+    >>> tokenizer.decode(solution_completion_ids(tokenizer, "7+5", "12", solution_format="prefix"))
     '7+5'
     """
     if solution_format == "prefix":
@@ -366,7 +422,7 @@ def min_p_keeps(logits: torch.Tensor, token_ids: torch.Tensor, temperature: floa
 
 
 @dataclass
-class ReferenceLogps:
+class SolutionLogps:
     """Teacher-forced y* of one problem under one policy, per token [C] (C = len(y*))."""
 
     token_logps: list[float]  # log pi(y*_t | x, y*_<t), temperature and min-p replayed
@@ -388,7 +444,7 @@ class ReferenceLogps:
 
 
 @torch.no_grad()
-def reference_logps(
+def solution_logps(
     model,
     prompts: list[list[int]],
     completions: list[list[int]],
@@ -396,7 +452,7 @@ def reference_logps(
     min_p: float,
     pad_id: int,
     batch_size: int = 8,
-) -> list[ReferenceLogps]:
+) -> list[SolutionLogps]:
     """One teacher-forced forward pass per batch of (prompt, y*) pairs: per token, log pi(y*_t)
     as the sampler draws (``loss.token_logps_and_entropies``, the definition, with temperature
     and min-p), the same without min-p, the entropy H_t, and whether min-p keeps y*_t. No samples
@@ -416,7 +472,7 @@ def reference_logps(
         kept = min_p_keeps(logits, completion_ids, temperature, min_p)
         for row, length in enumerate(mask.sum(dim=1).long().tolist()):
             results.append(
-                ReferenceLogps(
+                SolutionLogps(
                     token_logps=logps[row, :length].tolist(),
                     token_logps_full=logps_full[row, :length].tolist(),
                     entropies=entropies[row, :length].tolist(),
@@ -428,19 +484,19 @@ def reference_logps(
     return results
 
 
-def support_summary(probes: Sequence[ReferenceLogps], groups: Sequence[str]) -> dict:
+def support_summary(probes: Sequence[SolutionLogps], groups: Sequence[str]) -> dict:
     """Per group of problems (and "all"): the mean log pi(y*) over the problems inside the
     sampler's support, the mean without min-p over every problem, supp_delta for each delta of
     ``SUPPORT_DELTAS`` (a problem outside the support counts as pi(y*) = 0) and the fraction
     outside min-p's support.
 
-    >>> inside = ReferenceLogps([-0.5, -1.0], [-0.6, -1.1], [0.1, 0.2], [0.1, 0.2], [True, True])
-    >>> outside = ReferenceLogps([-0.1, -9.0], [-0.1, -9.0], [0.1, 2.0], [0.1, 0.0], [True, False])
+    >>> inside = SolutionLogps([-0.5, -1.0], [-0.6, -1.1], [0.1, 0.2], [0.1, 0.2], [True, True])
+    >>> outside = SolutionLogps([-0.1, -9.0], [-0.1, -9.0], [0.1, 2.0], [0.1, 0.0], [True, False])
     >>> summary = support_summary([inside, outside], ["easy", "hard"])
     >>> summary["all"]["supp@0.1"], summary["hard"]["outside"], summary["all"]["mean_logp"]
     (0.5, 1.0, -1.5)
     """
-    by_group: dict[str, list[ReferenceLogps]] = {"all": list(probes)}
+    by_group: dict[str, list[SolutionLogps]] = {"all": list(probes)}
     for probe, group in zip(probes, groups):
         if group:
             by_group.setdefault(group, []).append(probe)
@@ -468,19 +524,19 @@ def support_probe(
     min_p: float,
     batch_size: int = 8,
     solution_format: str = "paper",
-) -> tuple[dict, list[ReferenceLogps]] | None:
+) -> tuple[dict, list[SolutionLogps]] | None:
     """The support probe of a policy on the problems that have a reference solution: its
     ``support_summary`` with, per problem, log pi(y*|x) (None for -inf: outside the support),
-    and the per-token ``ReferenceLogps``. None when no problem has a reference solution."""
+    and the per-token ``SolutionLogps``. None when no problem has a reference solution."""
     with_solution = [p for p in problems if p.solution]
     if not with_solution:
         return None
     prompts = [build_prompt_ids(tokenizer, p.problem) for p in with_solution]
     completions = [
-        reference_completion_ids(tokenizer, p.solution, p.answer, solution_format=solution_format)
+        solution_completion_ids(tokenizer, p.solution, p.answer, solution_format=solution_format)
         for p in with_solution
     ]
-    probes = reference_logps(
+    probes = solution_logps(
         model,
         prompts,
         completions,
@@ -492,6 +548,69 @@ def support_probe(
     summary = support_summary(probes, [p.group for p in with_solution])
     summary["per_problem_logp"] = [None if p.logp == -math.inf else p.logp for p in probes]
     return summary, probes
+
+
+GUIDE_MAP_PROBLEMS = 3  # problems whose y* the guide map draws
+
+
+def support_and_guide_map(policy, tokenizer, problems, config, updates: int) -> dict:
+    """A sage.py run's support probe: {"support": the probe's summary per group, "guide_map": per
+    token of y*, for the first ``GUIDE_MAP_PROBLEMS`` problems of the "hard" group (or the first
+    problems): the tokens, H_t of the distribution the loss reads (and of both: the full
+    softmax's and its min-p truncation's), the branch guide's q_t and log M_t, the log of the
+    mass min-p keeps, at this policy after ``updates`` steps}; {} when no problem has y*."""
+    probed = support_probe(
+        policy,
+        tokenizer,
+        problems,
+        temperature=config.temperature,
+        min_p=config.min_p,
+        batch_size=config.micro_batch_size,
+        solution_format=config.eval.eval_solution_format,
+    )
+    if probed is None:
+        return {}
+    summary, probes = probed
+    summary.pop("per_problem_logp")
+    with_solution = [p for p in problems if p.solution]
+    shown = [i for i, p in enumerate(with_solution) if p.group == "hard"] or list(
+        range(len(with_solution))
+    )
+    branch = dataclasses.replace(config.guide, name="branch")
+    guide_map = []
+    for index in shown[:GUIDE_MAP_PROBLEMS]:
+        probe, problem = probes[index], with_solution[index]
+        # H_t of the distribution the run's loss and guide read (--loss-distribution)
+        read = probe.entropies_kept if config.loss.distribution == "min_p" else probe.entropies
+        entropies = torch.tensor([read])  # [1, C]
+        log_q = guides.compute_log_q(
+            branch,
+            logps=torch.tensor([probe.token_logps]),
+            entropies=entropies,
+            completion_mask=torch.ones_like(entropies),
+            step=updates,
+            total_steps=config.steps,
+        )
+        ids = solution_completion_ids(
+            tokenizer,
+            problem.solution,
+            problem.answer,
+            solution_format=config.eval.eval_solution_format,
+        )
+        guide_map.append(
+            {
+                "problem": problem.problem,
+                "tokens": [tokenizer.decode([token]) for token in ids],
+                "entropy": read,
+                "entropy_full": probe.entropies,
+                "entropy_kept": probe.entropies_kept,
+                "log_kept_mass": probe.log_kept_mass,
+                "q": log_q.exp()[0].tolist(),
+                "logp": probe.token_logps_full,
+                "kept": probe.kept,
+            }
+        )
+    return {"support": summary, "guide_map": guide_map}
 
 
 # ---- 4. The command line: a run over benchmarks, atomic results, resume ----------------------
@@ -531,7 +650,11 @@ def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
         write_json_atomic(args.out, results)
     todo = files.pending_seeds(results, seeds, list(benchmarks), args.out)
     if todo:
-        engine = files.start_engine(args, make_engine)
+        engine = files.start_engine(
+            args,
+            make_engine=make_engine or rollout.make_engine,
+            cuda_fraction=rollout.CUDA_STANDALONE_MEMORY_FRACTION,
+        )
         prompts = {
             name: [build_prompt_ids(engine.tokenizer, p.problem) for p in problems]
             for name, (_, problems) in benchmarks.items()
@@ -542,7 +665,14 @@ def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
                 problems = [p for name in names for p in benchmarks[name][1]]
                 batch = [ids for name in names for ids in prompts[name]]
                 config = sampling_config(sampling, args.n, seed)
-                samples = generate_and_grade(engine, batch, problems, config, pool, args.progress)
+                samples = generate_and_grade(
+                    engine,
+                    batch,
+                    problems=problems,
+                    sampling=config,
+                    pool=pool,
+                    progress=args.progress,
+                )
                 done = {name: (benchmarks[name][1], prompts[name]) for name in names}
                 files.record_seed(results, args, seed, done, samples)
                 write_json_atomic(args.out, recompute_summaries(results))

@@ -246,15 +246,15 @@ def compute_log_q(
 
     Args:
         config: which guide and its parameters.
-        logps: [B, T] log pi(y_t | y_<t) of the sampled tokens under the policy (token guide).
-        entropies: [B, T] full-vocabulary entropies H_t in nats (branch guide, Eq. 12).
-        completion_mask: [B, T] 1 for completion tokens, 0 for padding.
+        logps: [B, C] log pi(y_t | y_<t) of the sampled tokens under the policy (token guide).
+        entropies: [B, C] full-vocabulary entropies H_t in nats (branch guide, Eq. 12).
+        completion_mask: [B, C] 1 for completion tokens, 0 for padding.
         step: the optimizer step (0-based) -- the schedules' only clock.
         total_steps: the run's number of optimizer steps.
         generator: CPU generator for the random draws (random and token guides).
 
     Returns:
-        log_q: [B, T] float32, detached, on the device of ``logps``.
+        log_q: [B, C] float32, detached, on the device of ``logps``.
     """
     if logps.shape != completion_mask.shape or entropies.shape != completion_mask.shape:
         raise ValueError(

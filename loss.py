@@ -171,7 +171,7 @@ def kl_shaped_rewards(rewards, logps, ref_logps, log_q, completion_mask, beta: f
     """r(y) - beta * sum_t (log pi_t - log p~_t): the pseudo-KL of Eq. 8 as k1 in the return.
 
     It realizes Eq. 4 exactly, with a score-function gradient and a baseline (toy/ proves it);
-    beta * sum_t log q_t is a bonus for reaching the states the guide favours. [B, T] -> [B].
+    beta * sum_t log q_t is a bonus for reaching the states the guide favours. [B, C] -> [B].
     """
     dtype = torch.promote_types(logps.dtype, torch.float32)  # float32, or float64 for exact checks
     # SAGE: log p~ = log pi_ref + log q, so the return's k1 also subtracts log q (Eq. 8)
@@ -185,7 +185,7 @@ def kl_shaped_rewards(rewards, logps, ref_logps, log_q, completion_mask, beta: f
 
 
 def clipped_surrogate(logps, old_logps, advantages, eps_low: float, eps_high: float):
-    """PPO's L_t = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A), [B, T]."""
+    """PPO's L_t = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A), [B, C]."""
     ratio = torch.exp(logps - old_logps)
     advantages = advantages[:, None]
     clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
@@ -194,7 +194,7 @@ def clipped_surrogate(logps, old_logps, advantages, eps_low: float, eps_high: fl
 
 def anchor_penalty(logps, anchor_logps, kl: str = "reverse", estimator: str = "k3"):
     """Per-token penalty (times beta) against the anchor log p~ = ref_logps + log_q (Eqs. 5, 8),
-    with log u_t = anchor_logps_t - logps_t, all [B, T] (toy/ proves the gradients' claims):
+    with log u_t = anchor_logps_t - logps_t, all [B, C] (toy/ proves the gradients' claims):
 
     reverse, k2:        (log u)^2 / 2
     reverse, k3:        u - 1 - log u (the paper's, App. E.5; the *forward* KL's gradient)
@@ -231,7 +231,7 @@ def anchor_penalty(logps, anchor_logps, kl: str = "reverse", estimator: str = "k
 def aggregate(
     per_token, completion_mask, mode="grpo", max_completion_length=None, global_num_tokens=None
 ) -> torch.Tensor:
-    """Reduce [B, T] per-token losses to a scalar. grpo: the mean of each sequence's token mean;
+    """Reduce [B, C] per-token losses to a scalar. grpo: the mean of each sequence's token mean;
     batch_token_mean: the batch's token mean (TRL's "bnpo"); dr_grpo: the sum over tokens divided
     by B * max_completion_length; dapo: the sum divided by the step's tokens (global_num_tokens).
 
@@ -313,11 +313,10 @@ class LossConfig:
 
 @dataclass
 class HeldFixed:
-    """The per-token tensors held fixed during an update (Eq. 3), each [B, T]."""
+    """The per-token tensors held fixed during an update (Eq. 3), each [B, C]."""
 
-    old_logps: torch.Tensor | None = (
-        None  # log pi_old, the policy that sampled (None: the update's)
-    )
+    # log pi_old, the policy that sampled (None: the update's)
+    old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None  # log pi_ref; needed unless beta = 0 or kl = none
     log_q: torch.Tensor | None = None  # SAGE: the guide's log q (guides.py); None: q = 1, GRPO
     entropies: torch.Tensor | None = None  # only logged
@@ -326,22 +325,19 @@ class HeldFixed:
 
 
 def policy_loss(
-    logps,
-    advantages,
-    completion_mask,
-    fixed: HeldFixed,
-    config: LossConfig,
-    step_tokens=None,
-    q_constant_per_position: bool = False,
+    logps, advantages, completion_mask, fixed: HeldFixed, config: LossConfig, step_tokens=None
 ):
     """SAGE's loss: clipped surrogate + beta * penalty against p~ = pi_ref * q, aggregated.
 
-    logps [B, T] is log pi_theta(y_t), the only input with a gradient; advantages [B] come from
-    ``compute_advantages``; completion_mask [B, T] is 1 on completion tokens; step_tokens counts
-    the completion tokens of the optimizer step (dapo); q_constant_per_position: the guide gives
-    each token at a position the same q (branch, random). Returns (loss, metrics as floats).
+    logps [B, C] is log pi_theta(y_t), the only input with a gradient; advantages [B] come from
+    ``compute_advantages``; completion_mask [B, C] is 1 on completion tokens; step_tokens counts
+    the completion tokens of the optimizer step (dapo). Returns (loss, metrics as floats); the
+    caller adds the guide's offset (machinery/loss_metrics.py ``anchor_offset``) where q is one
+    number per position.
     """
-    check_policy_loss_inputs(logps, advantages, completion_mask, fixed, config)
+    check_policy_loss_inputs(
+        logps, advantages, completion_mask=completion_mask, fixed=fixed, config=config
+    )
     importance = fixed.importance_weights
     if config.tis_cap > 0:  # truncated importance sampling: min(pi_old / pi_engine, C)
         importance = torch.exp(fixed.old_logps - fixed.engine_logps).clamp(max=config.tis_cap)
@@ -358,17 +354,28 @@ def policy_loss(
     surrogate = clipped_surrogate(
         logps, old_logps, advantages, eps_low=config.eps_low, eps_high=config.eps_high
     )
-    per_token = surrogate if importance is None else surrogate * importance  # [B, T]
+    per_token = surrogate if importance is None else surrogate * importance  # [B, C]
     anchor_logps = None
     if config.kl != "none" and config.beta != 0.0:
         # The anchor is log p~ = log pi_ref + log q (Eqs. 5, 8); GRPO's is log pi_ref.
         anchor_logps = ref_logps + (log_q if log_q is not None else 0.0)  # SAGE: log q enters
-        penalty = anchor_penalty(logps, anchor_logps, config.kl, config.kl_estimator)
+        penalty = anchor_penalty(logps, anchor_logps, kl=config.kl, estimator=config.kl_estimator)
         per_token = per_token + config.beta * penalty
     mask = completion_mask.float()
-    loss = aggregate(per_token, mask, config.aggregation, config.max_completion_length, step_tokens)
+    loss = aggregate(
+        per_token,
+        mask,
+        mode=config.aggregation,
+        max_completion_length=config.max_completion_length,
+        global_num_tokens=step_tokens,
+    )
     held = HeldFixed(old_logps=old_logps, ref_logps=ref_logps, log_q=log_q, entropies=entropies)
     metrics = loss_metrics(
-        logps.detach(), advantages, mask, held, anchor_logps, config, q_constant_per_position
+        logps.detach(),
+        advantages,
+        mask=mask,
+        held=held,
+        anchor_logps=anchor_logps,
+        config=config,
     )
     return loss, {"loss": loss.item(), **metrics}

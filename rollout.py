@@ -7,7 +7,8 @@ on disk), generates, and on CUDA puts the engine to sleep while it updates. Each
 is that of the distribution it was sampled from, softmax(logits / T) after the min-p, top-k and
 top-p masks (TRL keeps the raw model's); loss.py replays them, so on-policy the two agree.
 
-Beside it: machinery/engine_checks.py (one-line errors), machinery/vllm_cpu.py (vLLM's CPU
+Beside it: machinery/engine_checks.py (one-line errors), machinery/memory_plan.py (the
+engine's share of the GPU), machinery/vllm_cpu.py (vLLM's CPU
 backend, docs/vllm-cpu.md), machinery/weight_push.py (a LoRA adapter merged out of place) and
 extras/hf_engine.py (the same interface over transformers ``generate``, backend "hf").
 """
@@ -23,7 +24,8 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from machinery import engine_checks, vllm_cpu
+from machinery import engine_checks, memory_plan, vllm_cpu
+from machinery.cli import UsageError
 from machinery.engine_checks import (
     CheckError,
     check_prompts,
@@ -42,7 +44,7 @@ CUDA_DEFAULT_MEMORY_FRACTION = 0.3
 CUDA_STANDALONE_MEMORY_FRACTION = 0.9
 
 
-class RolloutError(ValueError):
+class RolloutError(UsageError):
     """A rollout engine cannot do what was asked; the message names the problem and the fix."""
 
 
@@ -178,7 +180,7 @@ class VLLMEngine:
         starting = contextlib.nullcontext()
         if on_cuda:
             with rollout_errors():  # the trainer's engine holds as much of a step as fits
-                fraction, llm_kwargs = engine_checks.engine_share(
+                fraction, llm_kwargs = memory_plan.gpu_share_and_limits(
                     config,
                     max_model_len=self.max_model_len,
                     llm_kwargs=llm_kwargs,
@@ -353,7 +355,7 @@ def pad_rows(rows: list[list[float]], length: int, device) -> torch.Tensor:
 def engine_gap(old_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.Tensor) -> dict:
     """Trainer/engine log-prob mismatch on the sampled tokens (kernels and precision differ even
     with equal weights): mean |diff| and the mean and max of the ratio pi_trainer / pi_engine.
-    old_logps, engine_logps, mask: [B, T]."""
+    old_logps, engine_logps, mask: [B, C]."""
     diff = (old_logps.detach() - engine_logps) * mask
     count = mask.sum().clamp_min(1)
     ratio = torch.exp(diff) * mask

@@ -27,13 +27,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+import evaluate
 import guides
 import loss
 import rollout
 from evaluate import EvalConfig
+from extras.flags import DynamicSamplingConfig, HintsConfig, SFTConfig
 from machinery import cli, flag_checks, hub, memory_plan, models, runs, trackers
 from machinery.batches import collate
 from machinery.data import PromptSampler, load_rows, training_problems
+from machinery.loss_metrics import anchor_offset
 from machinery.task import build_prompt_ids, load_reward_function
 
 # ---- Configuration: one typed dataclass, a docstring per field, parsed once --------------------
@@ -47,12 +50,13 @@ PRESETS = {
     "bnpo": ["--advantage", "bnpo", "--loss-agg", "batch_token_mean", "--kl", "none"],
     "dapo": ["--loss-agg", "dapo", "--eps-high", "0.28", "--kl", "none", "--dynamic-sampling"],
 }
-# The extras' knobs, parsed with Config; each extra is imported only where its flag is on.
+# The extras' knobs, parsed with Config (extras/flags.py holds only these dataclasses); each
+# extra's code is imported only where its flag is on.
 EXTRAS = {
-    "memory": "machinery.memory_plan:PlanConfig",  # --plan-memory, --gpu-gb (not an extra)
-    "sft": "extras.sft:SFTConfig",
-    "dynamic_sampling": "extras.dynamic_sampling:DynamicSamplingConfig",
-    "hints": "extras.hints:HintsConfig",
+    "memory": memory_plan.PlanConfig,  # --plan-memory, --gpu-gb (not an extra)
+    "sft": SFTConfig,
+    "dynamic_sampling": DynamicSamplingConfig,
+    "hints": HintsConfig,
 }
 
 
@@ -173,17 +177,16 @@ EPILOG = (
 def parse_config(argv: list[str] | None = None) -> Config:
     """The command line -> Config: the --algo preset's flags, then the user's (which win)."""
     argv = cli.expand_preset(sys.argv[1:] if argv is None else list(argv), PRESETS)
-    extras = {name: cli.import_object(path) for name, path in EXTRAS.items()}
     config, sections, parser = cli.parse_config(
         Config,
         argv,
         prog="sage.py",
         description=__doc__.split("\n")[0],
         epilog=EPILOG,
-        sections=extras,
+        sections=EXTRAS,
     )
     config.extras = sections
-    flag_checks.check_config(config, PRESETS, parser.error)
+    flag_checks.check_config(config, presets=PRESETS, backends=rollout.BACKENDS, error=parser.error)
     return config
 
 
@@ -191,17 +194,18 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 
 def start_run(config: Config) -> tuple[str, float | None]:
-    """<out>/<name> checked, the cheapest and most specific check first: a checkpoint needs
-    --resume, a --full-finetune's weights must fit, then (on CUDA) the memory plan's simulated
-    step, whose forecast peak in GB comes back with the run directory (None on the CPU); seed;
-    no write. --plan-memory prints the plan and ends the program first."""
-    this = sys.modules[__name__]
-    memory_plan.forecast_if_asked(config, sage=this)
+    """The model's short name resolved, then <out>/<name> checked, the cheapest and most
+    specific check first: a checkpoint needs --resume, a --full-finetune's weights must fit, then
+    (on CUDA) the memory plan's simulated step, whose forecast peak in GB comes back with the run
+    directory (None on the CPU); seed; no write. --plan-memory prints the plan and ends the
+    program first."""
+    config.model = hub.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
+    memory_plan.forecast_if_asked(config, step=planned_step())
     model = os.path.basename(config.model.rstrip("/"))
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
     flag_checks.check_run_dir(run_dir, config)
     # On CUDA a run that cannot fit ends here; one that fits gets its forecast peak
-    forecast_gb = memory_plan.before_loading(config, sage=this)
+    forecast_gb = memory_plan.before_loading(config, step=planned_step())
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     return run_dir, forecast_gb
@@ -232,8 +236,8 @@ def load_problems(config: Config, tokenizer) -> list[dict]:
 
 def load_policy(config: Config, base_path: str):
     """(policy, frozen reference or None, optimizer, scheduler, tokenizer): LoRA adapters on the
-    base, whose reference is the base with the adapters off (no copy; a frozen copy only with
-    --full-finetune); AdamW with linear warmup and decay (Table 8)."""
+    model at ``base_path``, whose reference pi_ref is that model with the adapters off (no copy; a
+    frozen copy only with --full-finetune); AdamW with linear warmup and decay (Table 8)."""
     model, tokenizer = models.load_base_model(
         base_path,
         gradient_checkpointing=config.gradient_checkpointing,
@@ -257,10 +261,10 @@ def load_policy(config: Config, base_path: str):
 
 
 def start_engine(config: Config, base_path: str, policy, reference):
-    """The rollout engine on the base model, with the policy's weights: bf16 on CUDA (as the
-    memory plan counts it, even where --full-finetune trains float32 weights: the push casts
-    them), float32 on the CPU; on CUDA it holds as many of a step's sequences as fit beside the
-    trainer."""
+    """The rollout engine on the model at ``base_path``, with the policy's weights: bf16 on CUDA
+    (as the memory plan counts it, even where --full-finetune trains float32 weights: the push
+    casts them), float32 on the CPU; on CUDA it holds as many of a step's sequences as fit beside
+    the trainer."""
     dtype = str(models.device_and_dtype()[1]).removeprefix("torch.")
     limits = {}
     if config.backend == "vllm":  # sized to one step's batch
@@ -281,7 +285,7 @@ def start_engine(config: Config, base_path: str, policy, reference):
         model=policy if config.backend == "hf" else None,  # the HF backend samples from the policy
         **limits,
     )
-    if config.resume:  # a fresh policy equals the base the engine loaded (LoRA starts at B = 0)
+    if config.resume:  # a fresh policy equals the model the engine loaded (LoRA starts at B = 0)
         engine.sync_weights(policy)
     return engine
 
@@ -558,8 +562,8 @@ def update_policy(
                 fixed=fixed,
                 config=config.loss,
                 step_tokens=step_tokens,
-                q_constant_per_position=constant_q,
             )
+            micro_metrics |= anchor_offset(fixed.log_q, mask, q_constant=constant_q)
             if not torch.isfinite(micro_loss):
                 raise FloatingPointError(f"the loss is {micro_loss.item()}: lower --lr or --beta")
             weight = loss.micro_batch_weight(
@@ -580,12 +584,23 @@ def update_policy(
     return {**metrics.result(), "grad_norm": sum(grad_norms) / len(grad_norms)}
 
 
+def planned_step() -> memory_plan.TrainerStep:
+    """The step the memory plan simulates (machinery/memory_plan.py): this chapter's functions."""
+    return memory_plan.TrainerStep(
+        rollouts=Rollouts,
+        needs_reference=needs_reference,
+        micro_batches=micro_batches,
+        held_fixed_logps=held_fixed_logps,
+        compute_advantages=loss.compute_advantages,
+        update_policy=update_policy,
+    )
+
+
 # ---- main(): the run, stage by stage -----------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(argv)
-    config.model = hub.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
     (run_dir, forecast_gb), base_path = start_run(config), config.model
     # App. E.2: the SFT warm start of a base model (--sft-only ends the run there)
     if config.extras["sft"].sft_dataset:
@@ -599,16 +614,20 @@ def main(argv: list[str] | None = None) -> dict:
     prompt_sampler = PromptSampler(len(problems), config.seed)
     state = (policy, optimizer, scheduler, prompt_sampler, guide_generator)  # a checkpoint's
     reward_function = load_reward_function(config.reward)
-    held_out = trackers.eval_benchmarks(config)  # what --eval-every evaluates
+    held_out = evaluate.training_benchmarks(config)  # what --eval-every evaluates
     runs.save_run_config(run_dir, config)  # the run can start: model, data and reward loaded
     start = runs.restore_or_start(config.resume, run_dir, state=state)
     logger = trackers.RunLogger(
-        config, run_dir, tokenizer=tokenizer, benchmarks=held_out, forecast_gb=forecast_gb
+        config,
+        run_dir,
+        tokenizer=tokenizer,
+        benchmarks=held_out,
+        evaluation=evaluate.training_evaluation,
+        forecast_gb=forecast_gb,
     )
     engine = start_engine(config, base_path, policy=policy, reference=reference)
     # pass@k (and the support probe) of the starting policy
     logger.evaluate(engine, updates=start, first=True, policy=policy)
-    finished = start >= config.steps
     with tqdm(desc="rl", initial=start, total=config.steps) as progress:
         for step in range(start, config.steps):
             timer = runs.PhaseTimer()
@@ -660,25 +679,23 @@ def main(argv: list[str] | None = None) -> dict:
             with timer("sync"):
                 engine.sync_weights(policy)
             # 6. metrics, and pass@k every --eval-every steps
-            lr = scheduler.get_last_lr()[0]
             logger.log_step(
                 step,
                 rollouts,
                 rewards=rewards,
                 metrics=metrics,
                 timer=timer,
-                lr=lr,
+                lr=scheduler.get_last_lr()[0],
                 progress=progress,
             )
             logger.evaluate(engine, updates=step + 1, policy=policy)
             progress.update()
-            finished = step + 1 == config.steps
             # 7. checkpoint (and --stop-after)
             if runs.checkpoint_if_due(run_dir, step, start=start, config=config, state=state):
                 break
     logger.close()
     engine.close()
-    return {"run_dir": run_dir, "finished": finished}
+    return {"run_dir": run_dir, "finished": progress.n >= config.steps}  # every step done
 
 
 if __name__ == "__main__":

@@ -34,13 +34,13 @@ import sage  # noqa: E402
 from machinery import memory_plan  # noqa: E402
 
 
-def card_row(config, card_gb: float, updates: dict, sage) -> dict:
+def card_row(config, card_gb: float, updates: dict, step) -> dict:
     """One card's verdict at one length: the largest simulated micro-batch whose plan fits
     (``memory_plan.plan`` on the update simulated already)."""
     for size in sorted(updates, reverse=True):
         trial = dataclasses.replace(config, micro_batch_size=size)
         result = memory_plan.plan(
-            trial, card_bytes=int(card_gb * 1e9), sage=sage, search=False, update=updates[size]
+            trial, card_bytes=int(card_gb * 1e9), step=step, search=False, update=updates[size]
         )
         if result["fits"]:
             break
@@ -126,11 +126,15 @@ def main(argv=None) -> dict:
             updates = {}
             for size in micro_batches:
                 trial = dataclasses.replace(config, micro_batch_size=size)
-                updates[size] = memory_plan.simulate_update(model_config, trial, dtype, sage)
+                updates[size] = memory_plan.simulate_update(
+                    model_config, trial, dtype, sage.planned_step()
+                )
                 gigabytes = updates[size]["peak"] / 1e9
                 print(f"length {length}, micro-batch {size}: {gigabytes:.1f} GB", flush=True)
             update_peaks[length] = {size: update["peak"] for size, update in updates.items()}
-            rows += [card_row(config, card, updates=updates, sage=sage) for card in cards]
+            rows += [
+                card_row(config, card, updates=updates, step=sage.planned_step()) for card in cards
+            ]
     print(markdown(rows, update_peaks))
     result = {
         "rows": rows,

@@ -20,6 +20,7 @@ flags to every arm, the regime):
 
     grpo                  GRPO with its reverse-KL anchor (no guide)
     grpo_no_kl            GRPO without KL: the support-narrowing baseline
+    k1_return             k1 in the return with RLOO, no guide: the k1_return arms' own baseline
     branch_k3             GRPO + Branch with k3, the paper's estimator
     branch_k1_return      GRPO + Branch with k1 in the return, the estimator that realizes Eq. 4
     branch_k1_return_ref  the same with q from pi_ref's entropies (--guide-entropy reference):
@@ -51,12 +52,13 @@ import subprocess
 import sys
 import time
 
-from machinery.runs import SUBPROCESS_ENV
+from machinery.runs import SUBPROCESS_ENV, read_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARMS = {
     "grpo": ["--guide", "none"],
     "grpo_no_kl": ["--guide", "none", "--kl", "none"],
+    "k1_return": ["--guide", "none", "--kl-estimator", "k1_return", "--advantage", "rloo"],
     "branch_k3": ["--guide", "branch", "--kl-estimator", "k3"],
     "branch_k1_return": ["--guide", "branch", "--kl-estimator", "k1_return", "--advantage", "rloo"],
     "branch_k1_return_ref": [
@@ -154,13 +156,25 @@ def evaluate(files: dict, adapter: str | None, out: str, args) -> None:
     run(command + (["--adapter", adapter] if adapter else []), threads=args.threads, gpu=args.gpu)
 
 
-def measures_of(path: str) -> dict[str, float]:
-    """An evaluate.py results file (its one benchmark, its one seed) as {"pass@k": value} and
-    {"<group>/<probe measure>": value} for the support probe's groups (all, easy, hard)."""
+def measures_of(path: str, groups: list[str]) -> dict[str, float]:
+    """An evaluate.py results file (its one benchmark, its one seed) as {"pass@k": value}, the
+    same per group of problems ({"<group>/pass@k": value}, ``groups`` giving each problem's, in
+    the benchmark's order) and {"<group>/<probe measure>": value} for the support probe's groups
+    (all, easy, hard)."""
+    from evaluate import pass_at_k
+
     with open(path) as handle:
-        entry = next(iter(json.load(handle)["benchmarks"].values()))
+        results = json.load(handle)
+    entry = next(iter(results["benchmarks"].values()))
     passes = entry["pass_at_k"]
     measures = {f"pass@{k}": passes[k]["mean"] for k in sorted(passes, key=int)}
+    (seed_entry,) = entry["seeds"].values()
+    counts, n = seed_entry["correct"], results["n"]
+    for group in dict.fromkeys(groups):
+        members = [c for c, g in zip(counts, groups) if g == group]
+        for k in sorted(passes, key=int):
+            value = sum(pass_at_k(n, c, int(k)) for c in members) / len(members)
+            measures[f"{group}/pass@{k}"] = value
     for group, values in entry.get("support", {}).items():
         if isinstance(values, dict):
             measures |= {f"{group}/{key}": value for key, value in values.items() if key in PROBE}
@@ -199,9 +213,14 @@ def interval(values: list[float | None], confidence: float = 0.95) -> dict[str, 
 
 # each arm's difference, paired by seed, from these (the key it is stored under)
 PAIRED_WITH = {BASELINE: "minus_grpo", "SFT start": "minus_sft_start"}
-# and the toy's prediction (docs/fixed-points.md): under k1_return, q held at pi_ref's entropies
-# lifts the rare y*, q recomputed from the policy does not
-CONTRASTS = (("branch_k1_return_ref", "branch_k1_return"),)
+# and the contrasts among the k1_return arms: the toy's prediction (docs/fixed-points.md) that q
+# held at pi_ref's entropies lifts the rare y* and the policy's own q does not, and each guide
+# against k1_return without one
+CONTRASTS = (
+    ("branch_k1_return_ref", "branch_k1_return"),
+    ("branch_k1_return", "k1_return"),
+    ("branch_k1_return_ref", "k1_return"),
+)
 
 
 def paired_difference(seeds: dict, reference: dict, measure: str) -> dict:
@@ -227,7 +246,7 @@ def summarize(per_seed: dict[str, dict[str, dict[str, float]]]) -> dict:
         measures = list(dict.fromkeys(m for values in seeds.values() for m in values))
         entry = {"per_seed": seeds, "pass_at_k": {}, "support": {}}
         for measure in measures:
-            part = "pass_at_k" if measure.startswith("pass@") else "support"
+            part = "pass_at_k" if "pass@" in measure else "support"
             entry[part][measure] = interval([values.get(measure) for values in seeds.values()])
         for reference, key in PAIRED_WITH.items():
             if reference in per_seed and arm not in (reference, "SFT start"):
@@ -422,6 +441,7 @@ def run_seed(seed: int, arms: dict, args, out: str, progress) -> dict[str, dict]
     """One seed's units in order: its SFT start's evaluation, then each arm trained and
     evaluated; finished units (their results files) are not redone. {unit: measures}."""
     seed_dir, measures = os.path.join(out, f"seed-{seed}"), {}
+    groups = None  # each held-out problem's group (difficulty), in the benchmark's order
     for arm in ["SFT start", *arms]:
         result = os.path.join(seed_dir, "sft_start.json" if arm == "SFT start" else f"{arm}.json")
         if not os.path.exists(result):  # (each results file is written atomically)
@@ -430,7 +450,10 @@ def run_seed(seed: int, arms: dict, args, out: str, progress) -> dict[str, dict]
             if arm != "SFT start":
                 adapter = train_arm(seed_dir, seed, arm, arms[arm], files, args)
             evaluate(files, adapter, out=result, args=args)
-        measures[arm] = measures_of(result)
+        if groups is None:
+            held_out = sft_start(seed_dir, seed, args)["held_out"]  # kept, made already
+            groups = [row["difficulty"] for row in read_jsonl(held_out)]
+        measures[arm] = measures_of(result, groups)
         progress.update(1)
     return measures
 
@@ -478,6 +501,8 @@ def main(argv: list[str] | None = None) -> dict:
     passes = list(next(iter(summary.values()))["pass_at_k"])
     shown = [k for k in dict.fromkeys(["pass@1", "pass@8", passes[-1]]) if k in passes]
     print(format_table(summary, shown))
+    per_group = [f"{group}/{k}" for group in ("hard", "easy") for k in shown]
+    print(format_table(summary, per_group))
     probe = ["hard/mean_logp_full", "hard/supp@0.01", "hard/supp@0.001", "hard/outside"]
     print(format_table(summary, probe, part="support"))
     print(format_table(summary, probe, part="minus_sft_start"))

@@ -9,23 +9,9 @@ it has). Overlong shaping lowers the reward of completions that run into the len
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 import rollout
-
-
-@dataclass
-class DynamicSamplingConfig:
-    """DAPO's dynamic sampling and overlong shaping."""
-
-    dynamic_sampling: bool = False
-    """DAPO: drop all-equal-reward groups and refill (on in the dapo preset)."""
-    max_refill_rounds: int = 4
-    """DAPO dynamic sampling: extra rollout rounds at most before training on what is left."""
-    overlong_buffer: int = 0
-    """DAPO overlong shaping L_cache in tokens (0: off)."""
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int) -> torch.Tensor:

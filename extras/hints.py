@@ -209,17 +209,6 @@ class HintStats:
         return record
 
 
-@dataclass
-class HintsConfig:
-    """Self-hints (arXiv 2602.03143) for all-wrong groups."""
-
-    self_hints: bool = False
-    """Self-hints (extras/hints.py): all-wrong groups get a policy-written hint from the
-    reference solution and are sampled again."""
-    solution_key: str = ""
-    """Field of the training data with the reference solution that self-hints are written from."""
-
-
 def replace_groups(rollouts, groups: list[int], other, group_size: int):
     """``rollouts`` (a ``sage.Rollouts``) with its groups ``groups`` taken from ``other``, whose
     groups follow that list."""

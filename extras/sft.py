@@ -13,46 +13,12 @@ import gc
 import math
 import os
 import random
-from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 import loss
-
-
-@dataclass
-class SFTConfig:
-    """SFT warm start for base models (App. E.2, Table 7)."""
-
-    sft_dataset: str = ""
-    """SFT data (e.g. unsloth/OpenMathReasoning-mini) or a local file; empty skips SFT."""
-    sft_dataset_config: str = ""
-    """Hub configuration name of the SFT dataset."""
-    sft_split: str = "cot"
-    """Split of the SFT dataset (OpenMathReasoning-mini: cot)."""
-    sft_problem_key: str = "problem"
-    """SFT field with the problem."""
-    sft_reasoning_key: str = "generated_solution"
-    """SFT field with the worked solution (placed between the working-out markers)."""
-    sft_answer_key: str = "expected_answer"
-    """SFT field with the final answer (placed between <SOLUTION> markers)."""
-    sft_max_samples: int = 500
-    """Use the first N SFT examples that fit (0: all; App. E.2 uses a small subset)."""
-    sft_max_tokens: int = 0
-    """Drop SFT examples longer than this, prompt + completion + EOS (0: half of --max-seq-len,
-    App. E.2)."""
-    sft_only: bool = False
-    """Stop after the SFT stage (its model, <run>/sft_model, is the base of every RL run of
-    Table 1)."""
-    sft_epochs: int = 2
-    """SFT epochs (paper: 2)."""
-    sft_lr: float = 2e-4
-    """SFT learning rate (paper: 2e-4)."""
-    sft_batch_size: int = 1
-    """SFT batch size (paper: 1)."""
-    sft_warmup_steps: int = 5
-    """SFT linear warmup steps (paper: 5)."""
+from extras.flags import SFTConfig
 
 
 def sft(

@@ -50,7 +50,7 @@ from trl import GRPOConfig, GRPOTrainer
 import guides
 import loss
 import sage
-from machinery import cli, runs
+from machinery import cli, loss_metrics, runs
 from machinery.data import DataError, load_rows, training_problems
 from machinery.models import LORA_TARGETS, attention_implementation
 from machinery.task import SYSTEM_PROMPT, RewardError, build_prompt_ids, load_reward_function
@@ -305,8 +305,9 @@ class SageGRPOTrainer(GRPOTrainer):
             fixed,
             self._loss_config(aggregation),
             global_tokens,
-            q_constant_per_position=self.sage.guide.name in ("branch", "random"),
         )
+        constant_q = self.sage.guide.name in ("branch", "random")  # q: one number per position
+        metrics |= loss_metrics.anchor_offset(log_q, mask, q_constant=constant_q)
         if aggregation != "dapo":  # TRL scales its loss for accumulation (loss_is_scaled_for_ga)
             value = value / accumulation
         if self.aux_loss_enabled:

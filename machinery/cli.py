@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import importlib
 import inspect
 import sys
 import typing
@@ -166,28 +165,17 @@ def positional(**kwargs):
     return dataclasses.field(default_factory=list, metadata={"positional": True}, **kwargs)
 
 
-def import_object(path: str):
-    """The object named "package.module:name", imported.
-
-    >>> import_object("machinery.cli:positional").__name__
-    'positional'
-    """
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 class UsageError(ValueError):
     """Input a command cannot use (data, a reward, a tracker); the message names the problem and
     the fix."""
 
 
 def run(main) -> None:
-    """Run a command's ``main()``; the errors it reports for bad input end in one line, exit 1."""
-    import rollout
-
+    """Run a command's ``main()``; the errors it reports for bad input (``UsageError``, which
+    rollout.RolloutError is too) end in one line, exit 1."""
     try:
         main()
-    except (UsageError, rollout.RolloutError, FloatingPointError) as error:
+    except (UsageError, FloatingPointError) as error:
         sys.exit(f"error: {error}")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+from collections.abc import Sequence
 
 from machinery.data import LOCAL_FORMATS
 from machinery.task import SOLUTION_FORMATS
@@ -134,11 +135,9 @@ def path_problems(config) -> list[str]:
     ]
 
 
-def check_config(config, presets: dict, error) -> None:
+def check_config(config, presets: dict, backends: Sequence[str], error) -> None:
     """Call ``error(message)`` for the first setting of ``config`` (a ``sage.Config``) that
-    cannot run; ``presets`` are the --algo names."""
-    import rollout
-
+    cannot run; ``presets`` are the --algo names, ``backends`` the --backend ones."""
     if config.algo not in presets:
         error(f"unknown --algo {config.algo!r}: choose one of {', '.join(presets)}")
     for flag, value, rule in numeric_rules(config):
@@ -155,8 +154,8 @@ def check_config(config, presets: dict, error) -> None:
             "(for the CPU demo run `make demo`)",
         ),
         (
-            config.backend in rollout.BACKENDS,
-            f"unknown --backend {config.backend!r}: choose one of {', '.join(rollout.BACKENDS)}",
+            config.backend in backends,
+            f"unknown --backend {config.backend!r}: choose one of {', '.join(backends)}",
         ),
         (
             config.max_prompt_len < config.max_seq_len,

@@ -5,13 +5,12 @@ from __future__ import annotations
 import torch
 
 
-def loss_metrics(logps, advantages, mask, held, anchor_logps, config, q_constant: bool):
+def loss_metrics(logps, advantages, mask, held, anchor_logps, config):
     """Clip fractions, entropy, KL estimates and q statistics of ``policy_loss``, no gradient.
 
     kl/ref_k3 estimates KL(pi || pi_ref). kl/anchor_k3, k3 against p~, has the expectation
-    KL(pi || pi_ref) + Z - 1 - E_pi[log q], with Z = E_ref[q] the anchor's mass at a position; for
-    a q constant over the vocabulary at a position (branch, random) that offset is q - 1 - log q,
-    logged as kl/anchor_offset. The token guide's offset is not defined (q of unsampled tokens).
+    KL(pi || pi_ref) + Z - 1 - E_pi[log q], with Z = E_ref[q] the anchor's mass at a position
+    (``anchor_offset``).
     """
 
     def mean(x):  # over the completion tokens
@@ -30,12 +29,25 @@ def loss_metrics(logps, advantages, mask, held, anchor_logps, config, q_constant
         metrics["kl/anchor_k3"] = mean(k3(logps, anchor_logps))
     if held.log_q is not None:
         log_q, q, valid = held.log_q, held.log_q.exp(), mask.bool()
-        if q_constant:
-            metrics["kl/anchor_offset"] = mean(q - 1.0 - log_q)
         metrics["q/mean"], metrics["q/min"] = mean(q), q[valid].min().item()
         metrics["q/max"] = q[valid].max().item()
         metrics["q/frac_active"] = mean((log_q != 0).float())
     return metrics
+
+
+def anchor_offset(log_q, mask, q_constant: bool) -> dict:
+    """kl/anchor_offset, q - 1 - log q over the completion tokens: kl/anchor_k3's offset from
+    KL(pi || pi_ref) where q is one number over the vocabulary at a position (``q_constant``:
+    branch, random); {} elsewhere (the token guide's is not defined: q of unsampled tokens) and
+    without a guide. The callers of ``policy_loss`` add it to its metrics.
+
+    log_q, mask: [B, C]."""
+    if log_q is None or not q_constant:
+        return {}
+    log_q = log_q.detach().masked_fill(~mask.bool(), 0.0)
+    mask = mask.float()
+    offset = ((log_q.exp() - 1.0 - log_q) * mask).sum() / mask.sum()
+    return {"kl/anchor_offset": offset.item()}
 
 
 def k3(logps: torch.Tensor, anchor_logps: torch.Tensor) -> torch.Tensor:

@@ -17,14 +17,14 @@ held-fixed per-token values of the others are left out). Beside it:
 
 * the engine: its bf16 weights, vLLM's working memory and the KV cache of the step's sequences
   at full length, all of them or as many as fit beside the trainer (then the step samples in
-  waves, ``engine_checks.engine_sequences``), claimed as its share of the card;
+  waves, ``engine_sequences``), claimed as its share of the card;
 * the run's peak: the engine sleeps during the update (level 2), so the peak is the larger of
   the update's and the trainer's resident weights beside the awake engine;
 * with --backend hf, no engine: transformers ``generate`` samples the step's rows at once with
   the trainer's own weights and holds their KV cache (``hf_sampling``) beside its resident bytes.
 
 Error: allocator rounding, fragmentation and CUDA workspaces (cuBLAS, the CUDA context) are not
-counted; 5% of the card is kept free for them (``engine_checks.GPU_HEADROOM``). A card of N GB
+counted; 5% of the card is kept free for them (``GPU_HEADROOM``). A card of N GB
 is N x 10^9 bytes (an "80 GB" H100 holds 85 x 10^9: the verdict errs on the safe side).
 """
 
@@ -34,13 +34,16 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import weakref
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from machinery import engine_checks, hub
+from machinery import hub
+from machinery.engine_checks import CheckError
 
 CARDS_GB = (24, 40, 48, 80, 141)
 # The paper's model, Qwen2.5-Math-7B (DeepSeek-R1-Distill-Qwen-7B has the same shape): the
@@ -66,6 +69,19 @@ class PlanConfig:
     one JSON line, then exit."""
     gpu_gb: float = 0.0
     """The card --plan-memory judges, in GB (24, 40, 48, 80, 141; 0: this GPU, else 80)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerStep:
+    """What the plan runs of the trainer's step, passed by sage.py as values (machinery does not
+    import the chapters): sage.py's ``Rollouts`` and the functions of one update."""
+
+    rollouts: type  # sage.Rollouts
+    needs_reference: Callable  # sage.needs_reference
+    micro_batches: Callable  # sage.micro_batches
+    held_fixed_logps: Callable  # sage.held_fixed_logps
+    compute_advantages: Callable  # loss.compute_advantages
+    update_policy: Callable  # sage.update_policy
 
 
 class LiveStorages(TorchDispatchMode):
@@ -215,7 +231,7 @@ def read_model_config(model: str):
         raise SystemExit(hub.cannot_load(name, error)) from None
 
 
-def step_rollouts(config, vocab: int, count: int, sage):
+def step_rollouts(config, vocab: int, count: int, step: TrainerStep):
     """``count`` rollouts of the step, prompt-major (G completions share each prompt), every
     prompt --max-prompt-len and every completion the whole budget long."""
     completion_len = config.max_seq_len - config.max_prompt_len
@@ -224,7 +240,7 @@ def step_rollouts(config, vocab: int, count: int, sage):
         first = 10 + (row // config.rollouts) * 7
         prompts.append([(first + i) % vocab for i in range(config.max_prompt_len)])
         completions.append([(first + 3 * row + i) % vocab for i in range(completion_len)])
-    return sage.Rollouts(
+    return step.rollouts(
         prompt_ids=prompts,
         completion_ids=completions,
         texts=[""] * count,
@@ -235,14 +251,15 @@ def step_rollouts(config, vocab: int, count: int, sage):
     )
 
 
-def simulate_update(model_config, config, dtype: torch.dtype, sage, device: str = "meta") -> dict:
+def simulate_update(
+    model_config, config, dtype: torch.dtype, step: TrainerStep, device: str = "meta"
+) -> dict:
     """Bytes of one steady-state update step counted storage by storage: ``weights`` (the
     trainer's model, adapters and reference), ``resident`` (with AdamW's moments: what stays
     between steps), ``peak`` and the op at the peak. On ``meta``, simulated; on ``cpu``, a real
     step of a small model (the simulation's check)."""
     from transformers import AutoModelForCausalLM
 
-    import loss
     from machinery import models
 
     with contextlib.ExitStack() as stack:
@@ -262,7 +279,7 @@ def simulate_update(model_config, config, dtype: torch.dtype, sage, device: str 
             full_finetune=config.full_finetune,
             lora_rank=config.lora_rank,
             lora_alpha=config.lora_alpha,
-            with_reference=sage.needs_reference(config),
+            with_reference=step.needs_reference(config),
         )
         optimizer, _ = models.make_optimizer(policy, config.lr, config.weight_decay, 10, 1)
         trained = [p for p in policy.parameters() if p.requires_grad]
@@ -283,19 +300,19 @@ def simulate_update(model_config, config, dtype: torch.dtype, sage, device: str 
         resident = counter.total
         sequences = config.prompts_per_step * config.rollouts
         count = min(sequences, 2 * config.micro_batch_size)  # the peak comes by the second
-        rollouts = step_rollouts(config, model_config.get_text_config().vocab_size, count, sage)
+        rollouts = step_rollouts(config, model_config.get_text_config().vocab_size, count, step)
         rewards = torch.arange(sequences, dtype=torch.float32) % 2
-        advantages = loss.compute_advantages(rewards, config.rollouts, config.loss.advantage)
+        advantages = step.compute_advantages(rewards, config.rollouts, config.loss.advantage)
         generator = torch.Generator().manual_seed(0)
         with counter:
-            batches = sage.micro_batches(rollouts, config, pad_id=0, device=device)
+            batches = step.micro_batches(rollouts, config, pad_id=0, device=device)
             held = [
-                sage.held_fixed_logps(
+                step.held_fixed_logps(
                     policy, reference, batch=batch, config=config, step=0, generator=generator
                 )
                 for _, batch in batches
             ]
-            sage.update_policy(
+            step.update_policy(
                 policy,
                 optimizer,
                 batches=batches,
@@ -313,6 +330,220 @@ def simulate_update(model_config, config, dtype: torch.dtype, sage, device: str 
         }
 
 
+# --------------------------------------------------------------------------------------------
+# The engine's share of the GPU: sized here for the trainer's engine (rollout.py) and the plan
+# --------------------------------------------------------------------------------------------
+
+
+# What the trainer keeps on the GPU beside an awake engine: its own bf16 weights (the LoRA policy
+# and its adapters); the update's activations come while the engine sleeps.
+GPU_HEADROOM = 0.05  # CUDA context, fragmentation
+ENGINE_OVERHEAD_BYTES = 2 * 2**30  # vLLM's activations, sampler and CUDA graphs, beside its cache
+SHARE_MARGIN = 0.01  # the share claimed above what the engine's bytes need
+
+
+def kv_bytes_per_token(config) -> int:
+    """The KV cache of one token in bf16: K and V of every layer's key-value heads.
+
+    >>> from transformers import Qwen2Config  # Qwen2.5-Math-7B's shape: 56 KiB a token
+    >>> kv_bytes_per_token(Qwen2Config(hidden_size=3584, num_hidden_layers=28,
+    ...     num_attention_heads=28, num_key_value_heads=4)) // 1024
+    56
+    """
+    text = config.get_text_config()
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * kv_heads * head_size * 2
+
+
+def share_ceiling(weights: int, total_bytes: int, trainer_bytes: int | None) -> float:
+    """The most of a GPU of ``total_bytes`` the engine may claim: what the trainer's resident
+    ``trainer_bytes`` (None: a bf16 copy of the ``weights``, as the LoRA policy holds) and the
+    headroom leave."""
+    trainer = weights if trainer_bytes is None else trainer_bytes
+    return 1.0 - GPU_HEADROOM - trainer / total_bytes
+
+
+def check_requested_share(requested, ceiling: float) -> None:
+    """A --gpu-memory-utilization above what the trainer leaves free is a one-line error."""
+    if requested is not None and requested > ceiling:
+        raise CheckError(
+            f"--gpu-memory-utilization {requested} is more than the GPU has free beside the "
+            f"trainer: pass at most {math.floor(ceiling * 100) / 100:.2f}, or leave it unset"
+        )
+
+
+def engine_sequences(
+    config,
+    *,
+    max_model_len: int,
+    step_sequences: int,
+    total_bytes: int,
+    requested: float | None = None,
+    trainer_bytes: int | None = None,
+) -> int:
+    """How many of one step's ``step_sequences`` the engine holds at once on a GPU of
+    ``total_bytes``, each with ``max_model_len`` tokens of KV cache: all of them when they fit
+    beside the trainer, else as many as fit. vLLM then samples the step in waves: it queues the
+    rest and starts one as soon as a running sequence ends, so no sequence is preempted and
+    recomputed. ``requested`` (--gpu-memory-utilization) or None: the engine's share, else the
+    most it may take beside the trainer's resident ``trainer_bytes`` (``share_ceiling``).
+    Raises a one-line CheckError when not one sequence fits, naming the fix.
+
+    >>> from transformers import Qwen2Config  # Qwen2.5-Math-7B's shape
+    >>> seven_b = Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+    ...     num_key_value_heads=4, intermediate_size=18944, vocab_size=152064)
+    >>> engine_sequences(seven_b, max_model_len=2048, step_sequences=64, total_bytes=80 * 10**9)
+    64
+    >>> engine_sequences(seven_b, max_model_len=8192, step_sequences=64, total_bytes=48 * 10**9)
+    26
+    """
+    weights = 2 * parameter_count(config)  # the engine's bf16 copy; the trainer holds another
+    per_sequence = max_model_len * kv_bytes_per_token(config)
+    ceiling = share_ceiling(weights, total_bytes, trainer_bytes)
+    check_requested_share(requested, ceiling)
+    share = (ceiling if requested is None else requested) - SHARE_MARGIN
+    fit = int((share * total_bytes - weights - ENGINE_OVERHEAD_BYTES) // per_sequence)
+    if fit >= 1:
+        return min(step_sequences, fit)
+    share_for_one = (weights + ENGINE_OVERHEAD_BYTES + per_sequence) / total_bytes + SHARE_MARGIN
+    share_for_one = math.ceil(share_for_one * 100) / 100
+    if requested is not None and share_for_one <= ceiling:
+        raise CheckError(
+            f"--gpu-memory-utilization {requested} leaves the engine no room for one sequence of "
+            f"{max_model_len} tokens beside its weights: pass {share_for_one:.2f} or more"
+        )
+    raise CheckError(
+        f"the engine's bf16 weights ({weights / 1e9:.1f} GB) and the KV cache of one sequence of "
+        f"{max_model_len} tokens do not fit beside the trainer on this "
+        f"{total_bytes / 1e9:.0f} GB GPU: lower --max-seq-len or use a larger GPU"
+    )
+
+
+def cuda_memory_share(
+    config,
+    *,
+    max_model_len: int,
+    max_num_seqs: int,
+    requested: float | None,
+    total_bytes: int,
+    trainer_bytes: int | None = None,
+) -> float:
+    """The engine's share of a GPU of ``total_bytes`` that holds ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens in its KV cache at once (``engine_sequences`` says how many): its
+    bytes' share plus ``SHARE_MARGIN``. ``requested`` (--gpu-memory-utilization) or None: the
+    default 0.3, raised as far as the sequences need. Raises a one-line CheckError when the
+    requested share is too small or too large, or when they do not fit beside the trainer's
+    resident ``trainer_bytes`` (``share_ceiling``).
+
+    >>> from transformers import Qwen2Config  # Qwen2.5-Math-7B's shape, an 80 GB GPU
+    >>> seven_b = Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+    ...     num_key_value_heads=4, intermediate_size=18944, vocab_size=152064)
+    >>> share = cuda_memory_share(seven_b, max_model_len=2048, max_num_seqs=64, requested=None,
+    ...     total_bytes=80 * 10**9)
+    >>> round(share, 2)  # the paper's step
+    0.32
+    >>> share = cuda_memory_share(seven_b, max_model_len=8192, max_num_seqs=64, requested=None,
+    ...     total_bytes=80 * 10**9)
+    >>> round(share, 2)  # R1-distill's
+    0.6
+    """
+    kv_bytes = max_num_seqs * max_model_len * kv_bytes_per_token(config)
+    weights = 2 * parameter_count(config)  # the engine's bf16 copy; the trainer holds another
+    claim = (weights + ENGINE_OVERHEAD_BYTES + kv_bytes) / total_bytes + SHARE_MARGIN
+    ceiling = share_ceiling(weights, total_bytes, trainer_bytes)
+    check_requested_share(requested, ceiling)
+    sequences = f"{max_num_seqs} sequences of {max_model_len} tokens"
+    if requested is not None and requested < claim:
+        raise CheckError(
+            f"--gpu-memory-utilization {requested} is too small for {sequences} "
+            f"({kv_bytes / 2**30:.1f} GiB of KV cache): "
+            f"pass {math.ceil(claim * 100) / 100:.2f}, or lower --max-seq-len"
+        )
+    if claim > ceiling:
+        raise CheckError(
+            f"{sequences} need a {kv_bytes / 2**30:.1f} GiB KV cache, more than the GPU holds "
+            f"beside the trainer (the engine would need {claim:.2f} of it, at most "
+            f"{ceiling:.2f} is free): lower --rollouts, --prompts-per-step or --max-seq-len"
+        )
+    return requested if requested is not None else min(max(0.3, claim), ceiling)
+
+
+def parameter_count(config) -> int:
+    """The model's parameters, counted on the meta device (nothing is allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def size_engine(
+    config,
+    *,
+    max_model_len: int,
+    step_sequences: int,
+    total_bytes: int,
+    requested: float | None,
+    trainer_bytes: int | None,
+) -> tuple[int, float]:
+    """(sequences the engine holds at once, its share of the GPU): as many of the step's as fit
+    beside the trainer (``engine_sequences``) and the share they need (``cuda_memory_share``).
+    Both the engine and the memory plan size it here."""
+    sizing = dict(
+        max_model_len=max_model_len,
+        total_bytes=total_bytes,
+        requested=requested,
+        trainer_bytes=trainer_bytes,
+    )
+    at_once = engine_sequences(config, step_sequences=step_sequences, **sizing)
+    return at_once, cuda_memory_share(config, max_num_seqs=at_once, **sizing)
+
+
+def rollout_waves(step_sequences: int, at_once: int) -> int:
+    """The waves in which a step's sequences pass through an engine holding ``at_once``.
+
+    >>> rollout_waves(64, 26)
+    3
+    """
+    return -(-step_sequences // at_once)
+
+
+def gpu_share_and_limits(
+    config,
+    *,
+    max_model_len: int,
+    llm_kwargs: dict,
+    requested: float | None,
+    default: float,
+    trainer_bytes: int | None = None,
+) -> tuple[float, dict]:
+    """The share of the GPU the engine gets and its batch limits. The trainer's engine (its
+    step's limits in ``llm_kwargs``) holds as many of the step's sequences as fit beside the
+    trainer's resident ``trainer_bytes`` (None: what is allocated now); the rest wait for a free
+    slot (``size_engine``). A standalone engine (evaluate.py) gets what was requested."""
+    if "max_num_seqs" not in llm_kwargs:  # a standalone engine batches as it can
+        return requested or default, llm_kwargs
+    if trainer_bytes is None:
+        trainer_bytes = torch.cuda.memory_allocated() or None
+    step_sequences = llm_kwargs["max_num_seqs"]
+    at_once, share = size_engine(
+        config,
+        max_model_len=max_model_len,
+        step_sequences=step_sequences,
+        total_bytes=torch.cuda.get_device_properties(0).total_memory,
+        requested=requested,
+        trainer_bytes=trainer_bytes,
+    )
+    if at_once < step_sequences:
+        print(
+            f"[engine] one step's {step_sequences} sequences of {max_model_len} tokens do not "
+            f"fit in the KV cache at once: the engine holds {at_once} and samples the step in "
+            f"about {rollout_waves(step_sequences, at_once)} waves (docs/gpu.md)"
+        )
+    return share, {**llm_kwargs, "max_num_seqs": at_once}
+
+
 def trainer_dtype(config, device_type: str) -> torch.dtype:
     """The trainer's dtype on that device (``models.device_and_dtype``): bf16 on CUDA, float32
     when every weight is trained there, float32 on the CPU."""
@@ -327,42 +558,32 @@ def engine_share(
     """The engine's bytes (weights, working memory, the KV cache of the sequences it holds at
     once), how many of the step's sequences that is and in how many waves a step samples, the
     share of the card it claims beside the trainer's resident ``trainer_bytes`` (sized as the
-    engine sizes itself: ``engine_checks.size_engine``), and the reason it cannot have one (""
+    engine sizes itself: ``size_engine``), and the reason it cannot have one (""
     when it can)."""
-    import rollout
-    from machinery import engine_checks
-
     if config.backend != "vllm":  # the HF backend samples from the trainer's own model
         engine = {"weights": 0, "working": 0, "kv_cache": 0, "share": 0.0, "sequences": 0}
         return {**engine, "waves": None}, ""
-    limits = rollout.engine_limits(
-        prompts_per_call=config.prompts_per_step,
-        n=config.rollouts,
-        max_prompt_len=config.max_prompt_len,
-        max_model_len=config.max_seq_len,
-    )
+    step_sequences = config.prompts_per_step * config.rollouts  # vLLM's max_num_seqs
     try:
-        sequences, share = engine_checks.size_engine(
+        sequences, share = size_engine(
             model_config,
             max_model_len=config.max_seq_len,
-            step_sequences=limits["max_num_seqs"],
+            step_sequences=step_sequences,
             total_bytes=card_bytes,
             requested=config.gpu_memory_utilization or None,
             trainer_bytes=trainer_bytes,
         )
         reason = ""
-    except engine_checks.CheckError as error:
+    except CheckError as error:
         sequences, share, reason = 0, None, str(error)
-    per_token = engine_checks.kv_bytes_per_token(model_config)
+    per_token = kv_bytes_per_token(model_config)
     engine = {
-        "weights": 2 * engine_checks.parameter_count(model_config),
-        "working": engine_checks.ENGINE_OVERHEAD_BYTES,
+        "weights": 2 * parameter_count(model_config),
+        "working": ENGINE_OVERHEAD_BYTES,
         "kv_cache": sequences * config.max_seq_len * per_token,
         "share": share,
         "sequences": sequences,
-        "waves": engine_checks.rollout_waves(limits["max_num_seqs"], sequences)
-        if sequences
-        else None,
+        "waves": rollout_waves(step_sequences, sequences) if sequences else None,
     }
     return engine, reason
 
@@ -379,7 +600,7 @@ def hf_sampling(model_config, config, dtype: torch.dtype) -> dict:
     text = model_config.get_text_config()
     rows = config.prompts_per_step * config.rollouts
     size = dtype.itemsize
-    per_token = engine_checks.kv_bytes_per_token(model_config) // 2 * size  # (counted for bf16)
+    per_token = kv_bytes_per_token(model_config) // 2 * size  # (counted for bf16)
     kv_cache = rows * config.max_seq_len * per_token
     prefill = rows * config.max_prompt_len * (per_token + 4 * text.intermediate_size * size)
     last_token = (
@@ -388,7 +609,7 @@ def hf_sampling(model_config, config, dtype: torch.dtype) -> dict:
     return {"kv_cache": kv_cache, "peak": max(prefill, last_token), "rows": rows}
 
 
-def largest_fitting_micro_batch(model_config, config, dtype, usable: int, sage) -> int:
+def largest_fitting_micro_batch(model_config, config, dtype, usable: int, step: TrainerStep) -> int:
     """The largest power of two (up to the step's sequences) whose update peak fits in
     ``usable`` bytes, by bisection (the peak grows with the micro-batch); 0 if none does."""
     sequences = config.prompts_per_step * config.rollouts
@@ -397,25 +618,25 @@ def largest_fitting_micro_batch(model_config, config, dtype, usable: int, sage) 
     while low <= high:
         middle = (low + high) // 2
         trial = dataclasses.replace(config, micro_batch_size=sizes[middle])
-        if simulate_update(model_config, trial, dtype, sage)["peak"] <= usable:
+        if simulate_update(model_config, trial, dtype, step)["peak"] <= usable:
             best, low = sizes[middle], middle + 1
         else:
             high = middle - 1
     return best
 
 
-def plan(config, card_bytes: int, sage, search: bool = True, update: dict | None = None) -> dict:
+def plan(
+    config, card_bytes: int, step: TrainerStep, search: bool = True, update: dict | None = None
+) -> dict:
     """The forecast of a run on a card of ``card_bytes``: the update's peak, the engine's share,
     the run's peak, the verdict, and (``search``) the largest micro-batch that fits. ``update``:
     this config's ``simulate_update``, if made already (one simulation serves every card)."""
-    from machinery import engine_checks
-
     model_config = read_model_config(config.model)
     dtype = trainer_dtype(config, "cuda")
     if update is None:
-        update = simulate_update(model_config, config, dtype, sage)
+        update = simulate_update(model_config, config, dtype, step)
     engine, engine_reason = engine_share(model_config, config, card_bytes, update["resident"])
-    usable = int((1 - engine_checks.GPU_HEADROOM) * card_bytes)
+    usable = int((1 - GPU_HEADROOM) * card_bytes)
     sampling = hf_sampling(model_config, config, dtype)
     hf_peak = max(update["peak"], update["resident"] + sampling["peak"])  # --backend hf's
     awake = update["resident"] + (engine["share"] or 0.0) * card_bytes
@@ -423,7 +644,7 @@ def plan(config, card_bytes: int, sage, search: bool = True, update: dict | None
     fits = not engine_reason and run_peak <= usable
     largest = None
     if search:
-        largest = largest_fitting_micro_batch(model_config, config, dtype, usable, sage)
+        largest = largest_fitting_micro_batch(model_config, config, dtype, usable, step)
     sequences = config.prompts_per_step * config.rollouts
     gigabytes = functools.partial(round, ndigits=2)
     return {
@@ -563,24 +784,24 @@ def card_of(config) -> int:
     return card_bytes_of(gpu_gb)
 
 
-def forecast_if_asked(config, sage) -> None:
+def forecast_if_asked(config, step: TrainerStep) -> None:
     """--plan-memory: print the plan and end the program (a forecast: sage.start_run asks first,
     before the checks of a run that would start)."""
     if config.extras["memory"].plan_memory:
-        print_report(plan(config, card_of(config), sage), config)
+        print_report(plan(config, card_of(config), step), config)
         raise SystemExit(0)
 
 
-def before_loading(config, sage) -> float | None:
+def before_loading(config, step: TrainerStep) -> float | None:
     """On CUDA, before the model loads: a run that cannot fit is refused with one line naming the
     flag to change; a run that fits says nothing and gets its forecast peak in GB (the run's
     logger compares it with the peaks measured; None on the CPU). It simulates a step, the
     costliest check of a run, so sage.start_run calls it after the cheap ones."""
     if plan_device() != "cuda":
         return None
-    result = plan(config, card_of(config), sage, search=False)
+    result = plan(config, card_of(config), step, search=False)
     if result["fits"]:
         return result["run_peak_gb"]
     if not result["engine_problem"]:  # would a smaller micro-batch fit?
-        result = plan(config, card_of(config), sage)
+        result = plan(config, card_of(config), step)
     raise SystemExit(f"error: the run {verdict(result, config)}")

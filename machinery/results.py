@@ -9,9 +9,9 @@
    analyses (``--save-completions``).
 
 A problem with the model or the file raises ``DataError`` (machinery/data.py), one starting the
-engine ``rollout.RolloutError``: evaluate.py prints either as one line. This module does not
-import evaluate.py (an import cycle): it reads what it needs off the objects evaluate.py passes
-(``EvalArgs``, ``EvalSampling``, ``SeedSamples``).
+engine ``rollout.RolloutError``: evaluate.py prints either as one line. Like all of machinery/,
+this module imports no chapter: it reads what it needs off the objects evaluate.py passes
+(``EvalArgs``, ``EvalSampling``, ``SeedSamples``, the engine's maker).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-import rollout
 from machinery.data import DataError, problems_fingerprint
 from machinery.runs import write_jsonl_atomic
 
@@ -93,19 +92,19 @@ def load_merged_model(model_path: str, adapter_path: str, dtype: str = "auto"):
     return PeftModel.from_pretrained(base, adapter_path).merge_and_unload().eval()
 
 
-def start_engine(args, make_engine=None):
-    """The rollout engine (vLLM by default) on the model of evaluate.EvalArgs ``args``, with the
-    adapter merged in if given: the engine loads the base weights from disk, then takes the
-    merged ones in place.
+def start_engine(args, make_engine, cuda_fraction: float):
+    """The rollout engine that ``make_engine`` (``rollout.make_engine``) starts on the model of
+    evaluate.EvalArgs ``args``, with the adapter merged in if given: the engine loads the base
+    weights from disk, then takes the merged ones in place.
 
     No trainer shares the GPU here, so the engine takes most of it (``--gpu-memory-utilization``
-    defaults to 0.9 on CUDA) and never sleeps.
+    defaults to ``cuda_fraction`` on CUDA) and never sleeps.
     """
     fraction = args.gpu_memory_utilization
     if fraction is None and torch.cuda.is_available():
-        fraction = rollout.CUDA_STANDALONE_MEMORY_FRACTION
+        fraction = cuda_fraction
     merged = load_merged_model(args.model, args.adapter, args.dtype) if args.adapter else None
-    return (make_engine or rollout.make_engine)(
+    return make_engine(
         args.model,
         args.backend,
         max_model_len=args.max_model_len,

@@ -66,7 +66,7 @@ def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-# What a reference solution's field holds, for the support probe (the reference_completion_ids of
+# What a reference solution's field holds, for the support probe (the solution_completion_ids of
 # evaluate.py): a worked solution to put in the answer format below, or a completion prefix as is.
 SOLUTION_FORMATS = ("paper", "prefix")
 

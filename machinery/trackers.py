@@ -13,7 +13,6 @@ import dataclasses
 import math
 import os
 
-import torch
 from tqdm import tqdm
 
 from machinery import runs
@@ -108,37 +107,25 @@ class Trackers:
 # --------------------------------------------------------------------------------------------
 
 
-def eval_benchmarks(config) -> dict:
-    """What --eval-every evaluates: {name: [Problem]} ({} when it is off; flag_checks insists on
-    benchmarks when it is on). With --eval-solution-key every benchmark must hold a reference
-    solution in that field, the support probe's input: else one line naming the flag.
-    Loaded before the run directory is written, so a bad file leaves nothing behind."""
-    from evaluate import check_solutions
-    from machinery.data import resolve_benchmarks
-
-    if config.eval.eval_every <= 0:
-        return {}
-    resolved = resolve_benchmarks(
-        config.eval.eval_benchmarks,
-        solution_key=config.eval.eval_solution_key,
-        group_key=config.eval.eval_group_key,
-    )
-    benchmarks = {name: problems for name, (_, problems) in resolved.items()}
-    check_solutions(benchmarks, config.eval.eval_solution_key, flag="--eval-solution-key")
-    return benchmarks
-
-
 class RunLogger:
     """A run's records: one metrics.jsonl line per step (and the --report-to trackers), the
-    progress bar, the zero-reward warning, and pass@k every --eval-every steps into eval.jsonl."""
+    progress bar, the zero-reward warning, and pass@k every --eval-every steps into eval.jsonl.
+    ``evaluation`` makes an evaluation's rows (evaluate.training_evaluation, passed by sage.py)."""
 
     def __init__(
-        self, config, run_dir: str, tokenizer, benchmarks: dict, forecast_gb: float | None = None
+        self,
+        config,
+        run_dir: str,
+        tokenizer,
+        benchmarks: dict,
+        evaluation,
+        forecast_gb: float | None = None,
     ):
         self.config, self.run_dir, self.tokenizer = config, run_dir, tokenizer
+        self.benchmarks = benchmarks  # {name: [Problem]} (evaluate.training_benchmarks)
+        self.evaluation = evaluation
         self.forecast_gb = forecast_gb  # the memory plan's run peak (CUDA), checked each step
         self.peak_gb: float | None = None  # the highest step peak allocated so far (CUDA)
-        self.benchmarks = benchmarks  # {name: [Problem]} (``eval_benchmarks``)
         self.trackers = Trackers(
             config.report_to,
             run_dir,
@@ -194,34 +181,22 @@ class RunLogger:
     def evaluate(self, engine, updates: int, first: bool = False, policy=None) -> None:
         """pass@k after ``updates`` optimizer steps, when due: before the first step (``first``,
         not on a resume), every --eval-every steps and after the last; with
-        --eval-solution-key, also the support probe of ``policy`` (evaluate.support_probe) and
-        the guide map of a few problems. Rows go to eval.jsonl and the trackers."""
-        from evaluate import EvalSampling, evaluation_rows
-
+        --eval-solution-key, also the support probe of ``policy`` and the guide map of a few
+        problems (evaluate.support_and_guide_map). Rows go to eval.jsonl and the trackers."""
         every, config = self.config.eval.eval_every, self.config
         if not self.benchmarks or not (updates % every == 0 or updates == config.steps):
             return
         if first and updates > 0:  # a resumed run: this evaluation is in eval.jsonl already
             return
-        sampling = EvalSampling(
-            temperature=config.eval.eval_temperature,
-            top_p=config.eval.eval_top_p,
-            top_k=config.top_k,
-            min_p=config.min_p,
-            max_tokens=config.max_seq_len - config.max_prompt_len,
-        )
-        rows = evaluation_rows(
+        rows = self.evaluation(
             engine,
             self.tokenizer,
             self.benchmarks,
-            config.eval.eval_n,
-            config.seed,
-            sampling,
-            updates,
+            config=config,
+            updates=updates,
+            policy=policy,
         )
         for row in rows:
-            if policy is not None and config.eval.eval_solution_key:
-                row.update(self._support(policy, self.benchmarks[row["benchmark"]], updates))
             runs.append_jsonl(os.path.join(self.run_dir, "eval.jsonl"), row)
             numbers = {key: value for key, value in row.items() if key.startswith("pass@")}
             for group, entry in row.get("support", {}).items():
@@ -239,71 +214,6 @@ class RunLogger:
                 f"eval after {row['step']} steps, {row['benchmark']}: pass@1 "
                 f"{row['pass@1']:.3f}, pass@{n} {row[f'pass@{n}']:.3f}"
             )
-
-    def _support(self, policy, problems, updates: int) -> dict:
-        """{"support": the probe's summary per group, "guide_map": per token of y*, for the
-        first ``GUIDE_MAP_PROBLEMS`` problems of the "hard" group (or the first problems): the
-        tokens, H_t of the distribution the loss reads (and of both: the full softmax's and its
-        min-p truncation's), the branch guide's q_t and log M_t, the log of the mass min-p keeps,
-        at this policy}; {} when no problem has y*."""
-        import dataclasses
-
-        import guides
-        from evaluate import reference_completion_ids, support_probe
-
-        config = self.config
-        probed = support_probe(
-            policy,
-            self.tokenizer,
-            problems,
-            temperature=config.temperature,
-            min_p=config.min_p,
-            batch_size=config.micro_batch_size,
-            solution_format=config.eval.eval_solution_format,
-        )
-        if probed is None:
-            return {}
-        summary, probes = probed
-        summary.pop("per_problem_logp")
-        with_solution = [p for p in problems if p.solution]
-        shown = [i for i, p in enumerate(with_solution) if p.group == "hard"] or list(
-            range(len(with_solution))
-        )
-        branch = dataclasses.replace(config.guide, name="branch")
-        guide_map = []
-        for index in shown[:GUIDE_MAP_PROBLEMS]:
-            probe, problem = probes[index], with_solution[index]
-            # H_t of the distribution the run's loss and guide read (--loss-distribution)
-            read = probe.entropies_kept if config.loss.distribution == "min_p" else probe.entropies
-            entropies = torch.tensor([read])  # [1, C]
-            log_q = guides.compute_log_q(
-                branch,
-                logps=torch.tensor([probe.token_logps]),
-                entropies=entropies,
-                completion_mask=torch.ones_like(entropies),
-                step=updates,
-                total_steps=config.steps,
-            )
-            ids = reference_completion_ids(
-                self.tokenizer,
-                problem.solution,
-                problem.answer,
-                solution_format=config.eval.eval_solution_format,
-            )
-            guide_map.append(
-                {
-                    "problem": problem.problem,
-                    "tokens": [self.tokenizer.decode([token]) for token in ids],
-                    "entropy": read,
-                    "entropy_full": probe.entropies,
-                    "entropy_kept": probe.entropies_kept,
-                    "log_kept_mass": probe.log_kept_mass,
-                    "q": log_q.exp()[0].tolist(),
-                    "logp": probe.token_logps_full,
-                    "kept": probe.kept,
-                }
-            )
-        return {"support": summary, "guide_map": guide_map}
 
     def close(self) -> None:
         if self.peak_gb is not None:
@@ -324,6 +234,3 @@ def memory_line(peak_gb: float, forecast_gb: float | None, what: str) -> str:
         f"[memory] {what} peaked at {peak_gb:.1f} GB allocated, {side} the plan's "
         f"{forecast_gb:.1f} GB"
     )
-
-
-GUIDE_MAP_PROBLEMS = 3  # problems whose y* the guide map draws

@@ -45,6 +45,30 @@ def test_differences_are_paired_by_seed_and_only_over_the_seeds_both_have():
     assert compare.distinguishable(compare.summarize(shifted))
 
 
+def test_pass_at_k_per_group_comes_from_each_problems_counts(tmp_path):
+    """measures_of splits pass@k by the problems' groups (hard, easy): the unbiased estimator
+    over each group's own problems, in the benchmark's order."""
+    from evaluate import pass_at_k
+
+    counts, groups = [0, 2, 4, 1], ["hard", "easy", "easy", "hard"]
+    results = {
+        "n": 4,
+        "benchmarks": {
+            "demo": {
+                "pass_at_k": {"1": {"mean": 7 / 16}, "4": {"mean": 0.75}},
+                "seeds": {"0": {"correct": counts}},
+            }
+        },
+    }
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    measures = compare.measures_of(str(path), groups)
+    assert measures["hard/pass@1"] == pytest.approx(1 / 8)  # (0/4 + 1/4) / 2
+    assert measures["easy/pass@4"] == pytest.approx(1.0)
+    assert measures["hard/pass@4"] == pytest.approx(pass_at_k(4, 1, 4) / 2)
+    assert measures["pass@1"] == pytest.approx(7 / 16)
+
+
 def test_probe_measures_are_summarized_and_paired_with_grpo_and_with_the_sft_start():
     per_seed = {
         "SFT start": {"1": {"hard/mean_logp_full": -8.0}, "2": {"hard/mean_logp_full": -9.0}},

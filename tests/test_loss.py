@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import loss
-from machinery import batches, fast_logprobs
+from machinery import batches, fast_logprobs, loss_metrics
 from machinery.fast_logprobs import chunked_token_logps_and_entropies
 
 # --------------------------------------------------------------------------------------------
@@ -635,14 +635,15 @@ def run_loss(case, engine_logps=None, weights=None, q_constant=False, **options)
         engine_logps=engine_logps,
         importance_weights=weights,
     )
-    return loss.policy_loss(
+    total, metrics = loss.policy_loss(
         case["logps"],
         case["advantages"],
         case["completion_mask"],
         fixed,
         loss.LossConfig(**options),
-        q_constant_per_position=q_constant,
     )
+    offset = loss_metrics.anchor_offset(fixed.log_q, case["completion_mask"], q_constant=q_constant)
+    return total, metrics | offset
 
 
 def test_policy_loss_and_metrics_by_hand():
@@ -731,8 +732,8 @@ def test_branch_guide_from_the_policys_own_forward_pass_sends_gradient_only_to_t
         mask,
         fixed,
         loss.LossConfig(),
-        q_constant_per_position=True,
     )
+    metrics |= loss_metrics.anchor_offset(log_q, mask, q_constant=True)
     total.backward()
     assert logits.grad is not None and torch.isfinite(logits.grad).all()
     assert metrics["q/frac_active"] == 1.0 and metrics["q/min"] > 1.0  # every H_t > tau here

@@ -14,6 +14,8 @@ from transformers import Qwen2Config
 import sage
 from machinery import engine_checks, memory_plan
 
+STEP = sage.planned_step()  # the trainer's step, as sage.start_run passes it
+
 TINY_SHAPE = dict(
     hidden_size=64,
     num_hidden_layers=2,
@@ -50,8 +52,8 @@ def test_the_simulated_update_peak_is_a_real_cpu_steps_within_5_percent():
     counted storage by storage: the simulation's peak is the real one within 5% (the
     activations, not the weights, make most of it)."""
     model_config, config = Qwen2Config(**TINY_SHAPE), run_config(micro_batch_size=4)
-    simulated = memory_plan.simulate_update(model_config, config, torch.float32, sage, "meta")
-    real = memory_plan.simulate_update(model_config, config, torch.float32, sage, "cpu")
+    simulated = memory_plan.simulate_update(model_config, config, torch.float32, STEP, "meta")
+    real = memory_plan.simulate_update(model_config, config, torch.float32, STEP, "cpu")
     assert simulated["weights"] == real["weights"]
     assert simulated["peak"] == pytest.approx(real["peak"], rel=0.05)
     assert real["peak"] > 5 * real["weights"]
@@ -79,7 +81,7 @@ def test_the_plan_of_the_7b_step_is_the_simulated_20_1_gb_of_docs_gpu(tmp_path):
     Qwen2Config(**SEVEN_B_SHAPE).save_pretrained(tmp_path)
     config = sage.Config(model=str(tmp_path), max_seq_len=1792, max_prompt_len=256)
     config.extras["memory"] = memory_plan.PlanConfig()
-    plan = memory_plan.plan(config, card_bytes=48 * 10**9, sage=sage, search=False)
+    plan = memory_plan.plan(config, card_bytes=48 * 10**9, step=STEP, search=False)
     assert plan["update_peak_gb"] == pytest.approx(20.1, rel=0.05)
     assert plan["trainer_weights_gb"] == pytest.approx(15.3, abs=0.1) and plan["fits"]
 
@@ -95,7 +97,7 @@ def test_a_cuda_run_that_cannot_fit_is_refused_before_the_model_loads(
         trial = run_config(model=tiny_config_dir, backend="hf", micro_batch_size=micro_batch)
         model_config = memory_plan.read_model_config(tiny_config_dir)
         dtype = memory_plan.trainer_dtype(config, "cuda")
-        peaks[micro_batch] = memory_plan.simulate_update(model_config, trial, dtype, sage)["peak"]
+        peaks[micro_batch] = memory_plan.simulate_update(model_config, trial, dtype, STEP)["peak"]
     card_gb = (peaks[1] + peaks[4]) / 2 / 0.95 / 1e9
     monkeypatch.setattr(memory_plan, "plan_device", lambda: "cuda")
 
@@ -113,7 +115,7 @@ def test_a_cuda_run_that_cannot_fit_is_refused_before_the_model_loads(
     # The same run on a card it fits says nothing and goes on.
     fits = run_config(model=tiny_config_dir, backend="hf")
     fits.extras["memory"] = memory_plan.PlanConfig(gpu_gb=card_gb * 10)
-    forecast_gb = memory_plan.before_loading(fits, sage)  # its forecast, for the run's logger
+    forecast_gb = memory_plan.before_loading(fits, STEP)  # its forecast, for the run's logger
     assert forecast_gb is not None and 0 <= forecast_gb < card_gb
 
 
@@ -122,10 +124,10 @@ def test_the_engine_share_that_cannot_fit_names_its_flags(tiny_config_dir, monke
     config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=2)  # the engine alone needs > 2 GB
     monkeypatch.setattr(memory_plan, "plan_device", lambda: "cuda")
     with pytest.raises(SystemExit, match="lower --max-seq-len or use a larger GPU, or pass "):
-        memory_plan.before_loading(config, sage)  # --backend hf: its plan fits (no engine)
+        memory_plan.before_loading(config, STEP)  # --backend hf: its plan fits (no engine)
     config.full_finetune = True  # the trainer's float32 state is what crowds the engine out
     with pytest.raises(SystemExit, match="use a larger GPU, or drop --full-finetune"):
-        memory_plan.before_loading(config, sage)
+        memory_plan.before_loading(config, STEP)
 
 
 @pytest.mark.slow
@@ -152,7 +154,7 @@ def test_the_plan_of_the_hf_backend_counts_generates_kv_cache(tmp_path, capsys):
     assert plan["run_peak_gb"] == pytest.approx(max(plan["update_peak_gb"], resident + sampling))
     config = sage.Config(model=str(tmp_path), max_seq_len=8192)
     config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=24)
-    result = memory_plan.plan(config, card_bytes=24 * 10**9, sage=sage, search=False)
+    result = memory_plan.plan(config, card_bytes=24 * 10**9, step=STEP, search=False)
     assert result["engine_problem"] and not result["hf_backend_fits"]
     assert "--backend hf" not in memory_plan.fix_for(result, config)
 
@@ -166,14 +168,14 @@ def test_a_step_whose_kv_cache_does_not_fit_samples_in_waves(tmp_path):
     long_run = sage.Config(model=str(tmp_path), max_seq_len=8192)
     engine, problem = memory_plan.engine_share(model_config, long_run, card_bytes=48 * 10**9)
     assert not problem and 1 <= engine["sequences"] < 64
-    per_sequence = 8192 * engine_checks.kv_bytes_per_token(model_config)
+    per_sequence = 8192 * memory_plan.kv_bytes_per_token(model_config)
     assert engine["kv_cache"] == engine["sequences"] * per_sequence
     awake = 2 * engine["weights"] + engine["working"] + engine["kv_cache"]  # both weight copies
-    assert awake <= (1 - engine_checks.GPU_HEADROOM) * 48e9 < awake + per_sequence + 0.01 * 48e9
+    assert awake <= (1 - memory_plan.GPU_HEADROOM) * 48e9 < awake + per_sequence + 0.01 * 48e9
     assert engine["share"] * 48e9 >= engine["weights"] + engine["working"] + engine["kv_cache"]
     # One more sequence would not fit: the count is the largest.
     with pytest.raises(engine_checks.CheckError, match="more than the GPU holds"):
-        engine_checks.cuda_memory_share(
+        memory_plan.cuda_memory_share(
             model_config,
             max_model_len=8192,
             max_num_seqs=engine["sequences"] + 1,
@@ -191,9 +193,9 @@ def test_the_trainers_engine_is_given_the_waves_it_can_hold(monkeypatch, capsys)
     model_config = Qwen2Config(**SEVEN_B_SHAPE)
     card = type("Card", (), {"total_memory": 48 * 10**9})
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
-    trainer_bytes = 2 * engine_checks.parameter_count(model_config)  # the LoRA policy's bf16
+    trainer_bytes = 2 * memory_plan.parameter_count(model_config)  # the LoRA policy's bf16
     limits = {"max_num_seqs": 64, "max_num_batched_tokens": 8192}
-    share, kwargs = engine_checks.engine_share(
+    share, kwargs = memory_plan.gpu_share_and_limits(
         model_config,
         max_model_len=8192,
         llm_kwargs=limits,
@@ -201,13 +203,13 @@ def test_the_trainers_engine_is_given_the_waves_it_can_hold(monkeypatch, capsys)
         default=0.3,
         trainer_bytes=trainer_bytes,
     )
-    at_once = engine_checks.engine_sequences(
+    at_once = memory_plan.engine_sequences(
         model_config, max_model_len=8192, step_sequences=64, total_bytes=48 * 10**9
     )
     assert kwargs == {"max_num_seqs": at_once, "max_num_batched_tokens": 8192} and at_once < 64
     assert f"holds {at_once} and samples the step in about 3 waves" in capsys.readouterr().out
     assert 0.3 < share < 0.95
-    standalone = engine_checks.engine_share(
+    standalone = memory_plan.gpu_share_and_limits(
         model_config, max_model_len=8192, llm_kwargs={}, requested=None, default=0.9
     )
     assert standalone == (0.9, {})
@@ -221,16 +223,16 @@ def test_a_requested_share_too_small_or_too_large_names_the_share_that_works():
     sizing = dict(max_model_len=8192, step_sequences=64, total_bytes=48 * 10**9)
     for requested in (0.3, 0.37, 0.375):
         with pytest.raises(engine_checks.CheckError, match=r"pass (\d\.\d\d) or more") as small:
-            engine_checks.engine_sequences(model_config, requested=requested, **sizing)
+            memory_plan.engine_sequences(model_config, requested=requested, **sizing)
         suggested = float(small.value.args[0].split("pass ")[1].split(" ")[0])
-        assert engine_checks.engine_sequences(model_config, requested=suggested, **sizing) >= 1
+        assert memory_plan.engine_sequences(model_config, requested=suggested, **sizing) >= 1
     with pytest.raises(engine_checks.CheckError, match=r"pass at most (\d\.\d\d)") as large:
-        engine_checks.engine_sequences(model_config, requested=0.9, **sizing)
+        memory_plan.engine_sequences(model_config, requested=0.9, **sizing)
     most = float(large.value.args[0].split("at most ")[1].split(",")[0])
-    fit = engine_checks.engine_sequences(model_config, requested=most, **sizing)
-    default = engine_checks.engine_sequences(model_config, **sizing)
+    fit = memory_plan.engine_sequences(model_config, requested=most, **sizing)
+    default = memory_plan.engine_sequences(model_config, **sizing)
     assert default - 1 <= fit <= default  # (the most is rounded down to a hundredth)
-    assert 1 <= engine_checks.engine_sequences(model_config, requested=0.5, **sizing) < fit
+    assert 1 <= memory_plan.engine_sequences(model_config, requested=0.5, **sizing) < fit
 
 
 def test_the_trainers_resident_bytes_count_adamws_moments_before_they_exist(tiny):
@@ -278,7 +280,7 @@ def test_on_cuda_the_trainers_engine_starts_with_the_sequences_that_fit(monkeypa
     monkeypatch.setattr(rollout.AutoTokenizer, "from_pretrained", lambda path: None)
     limits = rollout.engine_limits(prompts_per_call=8, n=8, max_prompt_len=512, max_model_len=8192)
     rollout.VLLMEngine("/a/7b", max_model_len=8192, **limits)
-    at_once = engine_checks.engine_sequences(
+    at_once = memory_plan.engine_sequences(
         seven_b,
         max_model_len=8192,
         step_sequences=64,
@@ -287,7 +289,7 @@ def test_on_cuda_the_trainers_engine_starts_with_the_sequences_that_fit(monkeypa
     )
     assert 1 <= at_once < 64 and started["max_num_seqs"] == at_once
     assert started["max_num_batched_tokens"] == limits["max_num_batched_tokens"]
-    needed = engine_checks.cuda_memory_share(
+    needed = memory_plan.cuda_memory_share(
         seven_b,
         max_model_len=8192,
         max_num_seqs=at_once,
@@ -296,5 +298,5 @@ def test_on_cuda_the_trainers_engine_starts_with_the_sequences_that_fit(monkeypa
         trainer_bytes=trainer_bytes,
     )
     assert started["gpu_memory_utilization"] == needed and started["enable_sleep_mode"]
-    assert trainer_bytes + needed * 48e9 <= (1 - engine_checks.GPU_HEADROOM) * 48e9
+    assert trainer_bytes + needed * 48e9 <= (1 - memory_plan.GPU_HEADROOM) * 48e9
     assert "waves" in capsys.readouterr().out

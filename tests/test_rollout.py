@@ -142,6 +142,7 @@ def test_out_of_memory_during_a_weight_push_is_not_called_an_architecture_mismat
 
     engine = object.__new__(rollout.VLLMEngine)  # no vLLM start: only the push's error handling
     engine.llm, engine._asleep, engine.model_path = OutOfMemoryLLM(), set(), "m"
+    engine.weight_dtype = None  # push the weights as they are
     with pytest.raises(
         rollout.RolloutError,
         match="out of memory pushing the weights .*lower gpu_memory_utilization",

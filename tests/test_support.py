@@ -21,7 +21,7 @@ PROBLEMS = [
 def definition_logps(model, tokenizer, problem, temperature, min_p):
     """The per-token log-probs of y* by the definition, on the one unpadded sequence."""
     prompt = build_prompt_ids(tokenizer, problem.problem)
-    completion = evaluate.reference_completion_ids(tokenizer, problem.solution, problem.answer)
+    completion = evaluate.solution_completion_ids(tokenizer, problem.solution, problem.answer)
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[:, len(prompt) - 1 : -1]  # [1, C, V]
@@ -59,7 +59,7 @@ def test_a_token_that_min_p_removes_puts_y_star_outside_the_support(tiny):
     _, _, logits = definition_logps(model, tokenizer, problem, 1.0, 0.0)
     # the min-p that removes the least likely token of y*, and no more
     probs = logits.float().softmax(dim=-1)  # [C, V]
-    completion = evaluate.reference_completion_ids(tokenizer, problem.solution, problem.answer)
+    completion = evaluate.solution_completion_ids(tokenizer, problem.solution, problem.answer)
     relative = probs[torch.arange(len(completion)), completion] / probs.max(dim=-1).values
     weakest = int(relative.argmin())
     min_p = float(relative[weakest]) * 1.01

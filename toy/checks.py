@@ -21,6 +21,7 @@ import torch
 
 import guides
 import loss
+from machinery import loss_metrics
 from toy import exact, problems, table
 from toy.exact import DTYPE, maximize
 from toy.fixed_points import (
@@ -1096,8 +1097,8 @@ def check_k3_value() -> list[Result]:
         torch.ones_like(logps),
         fixed,
         loss.LossConfig(),
-        q_constant_per_position=True,
     )
+    metrics |= loss_metrics.anchor_offset(fixed.log_q, torch.ones_like(logps), q_constant=True)
     offset = q_position - 1.0 - math.log(q_position)
     return [
         equal(

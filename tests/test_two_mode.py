@@ -1,0 +1,94 @@
+"""extras/two_mode.py: the task's reward, its SFT data, and the exact prediction, which on the
+task's ideal distribution must reduce to Eq. 4's closed form (and k3's lift to 0)."""
+
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from extras import demo, two_mode
+from machinery.task import load_reward_function
+
+TASK = two_mode.TwoModeTask(k=2, m=8)
+
+
+def test_the_reward_reads_the_task_from_the_answer_field():
+    reward = load_reward_function("extras.two_mode:reward")
+    completions = ["A00", "A01", "B71", "B81", "B7", "A00 ", "hello"]
+    assert reward(completions, [""] * 7, [TASK.answer] * 7) == [1, 0, 1, 0, 0, 1, 0]
+    with pytest.raises(ValueError, match="k=K m=M"):
+        two_mode.reward(["A00"], [""], ["12"])
+
+
+def test_the_sft_data_is_drawn_from_the_task():
+    examples = two_mode.sft_examples(two_mode.TwoModeTask(k=3, m=10), count=4000, seed=0)
+    modes = [example["completion"][0] for example in examples]
+    assert abs(modes.count("B") / len(modes) - 0.05) < 0.015
+    a_digits = [d for e in examples if e["completion"][0] == "A" for d in e["completion"][1:]]
+    assert abs(a_digits.count("1") / len(a_digits) - 0.03) < 0.01
+    assert {e["problem"] for e in examples} == set(two_mode.PHRASINGS)
+
+
+class IdealModel(torch.nn.Module):
+    """Next-token logits of the task's own distribution after a one-token prompt: the mode (B
+    with p_b), A's digits (0 with p_right), B's digits uniform over M, then EOS; nothing else."""
+
+    def __init__(self, tokenizer, task):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.task, self.vocab = task, len(tokenizer)
+        self.ids = {
+            text: tokenizer(text, add_special_tokens=False)["input_ids"][0]
+            for text in ["A", "B", *map(str, range(10))]
+        }
+        self.eos = tokenizer.eos_token_id
+
+    def next_probs(self, prefix: list[int]) -> dict[int, float]:
+        ids, task = self.ids, self.task
+        if not prefix:
+            return {ids["A"]: 1 - task.p_b, ids["B"]: task.p_b}
+        if len(prefix) == task.k + 1:
+            return {self.eos: 1.0}
+        if prefix[0] == ids["A"]:
+            return {ids["0"]: task.p_right, ids["1"]: 1 - task.p_right}
+        return {ids[str(d)]: 1 / task.m for d in range(task.m)}
+
+    def forward(self, input_ids):
+        logits = torch.full((*input_ids.shape, self.vocab), -1e4, dtype=torch.float64)
+        for row, sequence in enumerate(input_ids.tolist()):
+            for token, p in self.next_probs(sequence[1:]).items():
+                logits[row, -1, token] = math.log(p)
+        return SimpleNamespace(logits=logits)
+
+
+def test_the_prediction_is_eq4s_closed_form_on_the_ideal_task():
+    tokenizer = demo.build_tiny_tokenizer()
+    task_tree = two_mode.TaskTree(TASK, tokenizer)
+    model = IdealModel(tokenizer, TASK)
+    theta, entropies = two_mode.node_distributions(model, [0], task_tree)
+    predicted = two_mode.predict_arms(task_tree, theta, ref_entropies=entropies, beta=0.05)
+    a_right = (1 - TASK.p_b) * TASK.p_right**TASK.k
+    q = 1 + 0.3 * (math.log(TASK.m) - 1.2)  # Eq. 11 at B's positions, below the cap
+
+    def eq4(q_at_b: float) -> float:
+        b = TASK.p_b * q_at_b**TASK.k
+        return math.log(b / (b + a_right))
+
+    assert predicted["start"] == pytest.approx(math.log(TASK.p_b), abs=1e-9)
+    assert predicted["k1_return"] == pytest.approx(eq4(1.0), abs=1e-6)
+    assert predicted["k1_return_branch_ref"] == pytest.approx(eq4(q), abs=1e-6)
+    assert predicted["k1_return_branch"] == pytest.approx(eq4(q), abs=1e-6)  # B's stay spread
+    assert predicted["k3_branch"] == pytest.approx(predicted["k3"], abs=1e-9)  # q cancels
+
+
+def test_the_task_tree_is_the_tokenizers_own():
+    tokenizer = demo.build_tiny_tokenizer()
+    task_tree = two_mode.TaskTree(TASK, tokenizer)
+    right = [y for y, r in zip(task_tree.tree.completions, task_tree.rewards) if r == 1]
+    assert len(right) == 1 + TASK.m**TASK.k  # A's all-zero path and every B path
+    texts = {tokenizer.decode(list(y[:-1])) for y in right}
+    assert "A00" in texts and all(TASK.is_right(text) for text in texts)
+    rng = random.Random(0)
+    assert all(len(tokenizer(TASK.sample(rng))["input_ids"]) == TASK.k + 1 for _ in range(20))
