@@ -167,6 +167,8 @@ class VLLMEngine:
         self.sleep_mode = on_cuda and (enable_sleep_mode is None or bool(enable_sleep_mode))
         self._asleep: set[str] = set()
         self._weights_discarded = False  # sleep(level=2) dropped them: sync_weights must come first
+        # What a weight push casts to (a --full-finetune's float32 weights into a bf16 engine).
+        self.weight_dtype = None if dtype == "auto" else getattr(torch, dtype)
         kwargs = dict(
             model=path,
             dtype=dtype,
@@ -282,7 +284,7 @@ class VLLMEngine:
         with the old weights). The KV cache wakes at the next ``generate``.
         """
         self.wake_up(["weights"])
-        with engine_weights(model) as weights:
+        with engine_weights(model, dtype=self.weight_dtype) as weights:
             try:
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             except (KeyError, AttributeError, ValueError, RuntimeError) as error:

@@ -193,18 +193,22 @@ def parse_config(argv: list[str] | None = None) -> Config:
 # ---- Setting up: the run directory, the problems, the policy and its reference, the engine -----
 
 
-def start_run(config: Config) -> str:
-    """<out>/<name> checked, the cheapest and most specific check first: a checkpoint needs
-    --resume, a --full-finetune's weights must fit, then (on CUDA) the memory plan's simulated
-    step; seed; no write. --plan-memory prints the plan and ends the program first."""
+def start_run(config: Config) -> tuple[str, float | None]:
+    """The model's short name resolved, then <out>/<name> checked, the cheapest and most
+    specific check first: a checkpoint needs --resume, a --full-finetune's weights must fit, then
+    (on CUDA) the memory plan's simulated step, whose forecast peak in GB comes back with the run
+    directory (None on the CPU); seed; no write. --plan-memory prints the plan and ends the
+    program first."""
+    config.model = hub.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
     memory_plan.forecast_if_asked(config, step=planned_step())
     model = os.path.basename(config.model.rstrip("/"))
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
     flag_checks.check_run_dir(run_dir, config)
-    memory_plan.before_loading(config, step=planned_step())  # a CUDA run that cannot fit ends here
+    # On CUDA a run that cannot fit ends here; one that fits gets its forecast peak
+    forecast_gb = memory_plan.before_loading(config, step=planned_step())
     random.seed(config.seed)
     torch.manual_seed(config.seed)
-    return run_dir
+    return run_dir, forecast_gb
 
 
 def needs_reference(config: Config) -> bool:
@@ -257,9 +261,11 @@ def load_policy(config: Config, base_path: str):
 
 
 def start_engine(config: Config, base_path: str, policy, reference):
-    """The rollout engine on the model at ``base_path``, in the trainer's dtype, with the
-    policy's weights; on CUDA it holds as many of a step's sequences as fit beside the trainer."""
-    dtype = "bfloat16" if next(policy.parameters()).dtype == torch.bfloat16 else "float32"
+    """The rollout engine on the model at ``base_path``, with the policy's weights: bf16 on CUDA
+    (as the memory plan counts it, even where --full-finetune trains float32 weights: the push
+    casts them), float32 on the CPU; on CUDA it holds as many of a step's sequences as fit beside
+    the trainer."""
+    dtype = str(models.device_and_dtype()[1]).removeprefix("torch.")
     limits = {}
     if config.backend == "vllm":  # sized to one step's batch
         limits = rollout.engine_limits(
@@ -595,8 +601,7 @@ def planned_step() -> memory_plan.TrainerStep:
 
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(argv)
-    config.model = hub.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
-    run_dir, base_path = start_run(config), config.model
+    (run_dir, forecast_gb), base_path = start_run(config), config.model
     # App. E.2: the SFT warm start of a base model (--sft-only ends the run there)
     if config.extras["sft"].sft_dataset:
         from extras import sft
@@ -618,11 +623,11 @@ def main(argv: list[str] | None = None) -> dict:
         tokenizer=tokenizer,
         benchmarks=held_out,
         evaluation=evaluate.training_evaluation,
+        forecast_gb=forecast_gb,
     )
     engine = start_engine(config, base_path, policy=policy, reference=reference)
     # pass@k (and the support probe) of the starting policy
     logger.evaluate(engine, updates=start, first=True, policy=policy)
-    finished = start >= config.steps
     with tqdm(desc="rl", initial=start, total=config.steps) as progress:
         for step in range(start, config.steps):
             timer = runs.PhaseTimer()
@@ -674,25 +679,23 @@ def main(argv: list[str] | None = None) -> dict:
             with timer("sync"):
                 engine.sync_weights(policy)
             # 6. metrics, and pass@k every --eval-every steps
-            lr = scheduler.get_last_lr()[0]
             logger.log_step(
                 step,
                 rollouts,
                 rewards=rewards,
                 metrics=metrics,
                 timer=timer,
-                lr=lr,
+                lr=scheduler.get_last_lr()[0],
                 progress=progress,
             )
             logger.evaluate(engine, updates=step + 1, policy=policy)
             progress.update()
-            finished = step + 1 == config.steps
             # 7. checkpoint (and --stop-after)
             if runs.checkpoint_if_due(run_dir, step, start=start, config=config, state=state):
                 break
     logger.close()
     engine.close()
-    return {"run_dir": run_dir, "finished": finished}
+    return {"run_dir": run_dir, "finished": progress.n >= config.steps}  # every step done
 
 
 if __name__ == "__main__":

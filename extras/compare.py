@@ -32,6 +32,9 @@ their mean with a 95% Student t interval over seeds, and each arm's difference f
 the SFT start, paired by seed, with its interval; passk.png draws the means with bands and the
 paired differences, for pass@k and for the hard sums' supp_delta. ``--jobs`` trains that many
 seeds at once, the cores split between them (the tiny model gains little from a second thread).
+On CUDA each job runs on a GPU of its own (CUDA_VISIBLE_DEVICES): a vLLM engine sizes itself from
+the GPU's free memory at start-up, so another job's engine sleeping and waking on the same GPU
+would break its sizing. ``--jobs`` above the number of visible GPUs is refused.
 Every stage is a subprocess of the repository's own CLIs, and each writes its result atomically:
 a killed study run again continues where it stopped (a half-trained arm resumes from its
 checkpoint; finished arms are not redone).
@@ -42,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import shlex
 import shutil
 import subprocess
@@ -69,10 +73,12 @@ PROBE += ("outside",)
 TASK_SEED = 3407  # the held-out split every seed shares (the demo's own)
 
 
-def run(command: list[str], threads: int) -> None:
-    """A stage as a subprocess on ``threads`` cores; its failure ends the study with its last
-    lines."""
+def run(command: list[str], threads: int, gpu: str | None = None) -> None:
+    """A stage as a subprocess on ``threads`` cores (and on CUDA, on its job's ``gpu`` alone); its
+    failure ends the study with its last lines."""
     env = {**SUBPROCESS_ENV, "OMP_NUM_THREADS": str(threads)}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     result = subprocess.run(
         [sys.executable, *command], cwd=REPO, env=env, capture_output=True, text=True
     )
@@ -97,6 +103,7 @@ def sft_start(seed_dir: str, seed: int, args) -> dict[str, str]:
             ["-m", "extras.demo", "--out", seed_dir, "--name", "sft", "--seed", str(seed)]
             + ["--demo-task-seed", str(TASK_SEED), "--sft-only", *sft_settings(args)],
             threads=args.threads,
+            gpu=args.gpu,
         )
     return files
 
@@ -131,6 +138,7 @@ def train_arm(seed_dir: str, seed: int, arm: str, flags: list[str], files: dict,
         + flags
         + (["--resume"] if resume else []),
         threads=args.threads,
+        gpu=args.gpu,
     )
     return adapter
 
@@ -145,7 +153,7 @@ def evaluate(files: dict, adapter: str | None, out: str, args) -> None:
         *["--min-p", "0.01", "--max-tokens", "64", "--max-model-len", "640"],
         *["--gpu-memory-utilization", "0.2", "--out", out, "--no-progress"],
     ]
-    run(command + (["--adapter", adapter] if adapter else []), threads=args.threads)
+    run(command + (["--adapter", adapter] if adapter else []), threads=args.threads, gpu=args.gpu)
 
 
 def measures_of(path: str, groups: list[str]) -> dict[str, float]:
@@ -407,7 +415,26 @@ def parse_args(argv: list[str] | None):
         parser.error("--demo-sft-noise and --demo-hard-noise are fractions in [0, 1]")
     # each stage's threads: the cores split between the seeds trained at once
     args.threads = max(1, (os.cpu_count() or 1) // min(args.jobs, args.seeds))
+    args.gpus, args.gpu = visible_gpus(), None  # (each job's GPU is chosen as it starts)
+    if args.gpus and min(args.jobs, args.seeds) > len(args.gpus):
+        raise SystemExit(
+            f"error: --jobs {args.jobs} would put two vLLM engines on one GPU (each sizes itself "
+            f"from the free memory the other's sleep and wake change): pass --jobs "
+            f"{len(args.gpus)} or fewer, one per visible GPU"
+        )
     return args, arms
+
+
+def visible_gpus() -> list[str]:
+    """The CUDA devices a job may be pinned to, as CUDA_VISIBLE_DEVICES names them (none without
+    CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    named = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = named.split(",") if named else [str(index) for index in range(torch.cuda.device_count())]
+    return gpus[: torch.cuda.device_count()]
 
 
 def run_seed(seed: int, arms: dict, args, out: str, progress) -> dict[str, dict]:
@@ -442,12 +469,22 @@ def main(argv: list[str] | None = None) -> dict:
     out, started = os.path.abspath(args.out), time.time()
     seeds = [args.seed + i for i in range(args.seeds)]
     jobs = min(args.jobs, len(seeds))
+    free_gpus = queue.Queue()  # on CUDA, a job takes a GPU no running job holds
+    for gpu in args.gpus[:jobs] or [None] * jobs:
+        free_gpus.put(gpu)
+
+    def run_seed_on_a_free_gpu(seed: int, progress) -> dict[str, dict]:
+        gpu = free_gpus.get()
+        try:
+            pinned = argparse.Namespace(**{**vars(args), "gpu": gpu})
+            return run_seed(seed, arms, pinned, out, progress)
+        finally:
+            free_gpus.put(gpu)
+
     per_seed: dict[str, dict[str, dict]] = {}
     with tqdm(total=len(seeds) * (1 + len(arms)), desc="study", unit="arm") as progress:
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            futures = {
-                seed: pool.submit(run_seed, seed, arms, args, out, progress) for seed in seeds
-            }
+            futures = {seed: pool.submit(run_seed_on_a_free_gpu, seed, progress) for seed in seeds}
             for seed, future in futures.items():
                 for arm, measures in future.result().items():
                     per_seed.setdefault(arm, {})[str(seed)] = measures

@@ -19,7 +19,9 @@ held-fixed per-token values of the others are left out). Beside it:
   at full length, all of them or as many as fit beside the trainer (then the step samples in
   waves, ``engine_sequences``), claimed as its share of the card;
 * the run's peak: the engine sleeps during the update (level 2), so the peak is the larger of
-  the update's and the trainer's resident weights beside the awake engine.
+  the update's and the trainer's resident weights beside the awake engine;
+* with --backend hf, no engine: transformers ``generate`` samples the step's rows at once with
+  the trainer's own weights and holds their KV cache (``hf_sampling``) beside its resident bytes.
 
 Error: allocator rounding, fragmentation and CUDA workspaces (cuBLAS, the CUDA context) are not
 counted; 5% of the card is kept free for them (``GPU_HEADROOM``). A card of N GB
@@ -586,6 +588,27 @@ def engine_share(
     return engine, reason
 
 
+def hf_sampling(model_config, config, dtype: torch.dtype) -> dict:
+    """What transformers ``generate`` holds while --backend hf samples a step (extras/hf_engine.py:
+    one call, every prompt's G copies at once), beside the trainer's weights: ``kv_cache``, the
+    keys and values of every row at --max-seq-len tokens in the trainer's dtype, and ``peak``,
+    the larger of the prefill's and the last token's. The prefill holds the prompts' cache and,
+    in each layer's MLP, four [rows x prompt, intermediate] tensors (the activated gate, the up
+    projection and its LoRA term, their product); the last token holds the whole cache, one
+    layer's K once more (its cache grows by concatenation) and five float32 [rows, vocab] copies
+    of the logits (the cast, the processors, the recorded log-softmax, the sampling softmax)."""
+    text = model_config.get_text_config()
+    rows = config.prompts_per_step * config.rollouts
+    size = dtype.itemsize
+    per_token = kv_bytes_per_token(model_config) // 2 * size  # (counted for bf16)
+    kv_cache = rows * config.max_seq_len * per_token
+    prefill = rows * config.max_prompt_len * (per_token + 4 * text.intermediate_size * size)
+    last_token = (
+        kv_cache + kv_cache // (2 * text.num_hidden_layers) + 5 * rows * text.vocab_size * 4
+    )
+    return {"kv_cache": kv_cache, "peak": max(prefill, last_token), "rows": rows}
+
+
 def largest_fitting_micro_batch(model_config, config, dtype, usable: int, step: TrainerStep) -> int:
     """The largest power of two (up to the step's sequences) whose update peak fits in
     ``usable`` bytes, by bisection (the peak grows with the micro-batch); 0 if none does."""
@@ -614,8 +637,10 @@ def plan(
         update = simulate_update(model_config, config, dtype, step)
     engine, engine_reason = engine_share(model_config, config, card_bytes, update["resident"])
     usable = int((1 - GPU_HEADROOM) * card_bytes)
+    sampling = hf_sampling(model_config, config, dtype)
+    hf_peak = max(update["peak"], update["resident"] + sampling["peak"])  # --backend hf's
     awake = update["resident"] + (engine["share"] or 0.0) * card_bytes
-    run_peak = max(update["peak"], awake)
+    run_peak = hf_peak if config.backend == "hf" else max(update["peak"], awake)
     fits = not engine_reason and run_peak <= usable
     largest = None
     if search:
@@ -638,6 +663,9 @@ def plan(
         "engine_share": engine["share"] and round(engine["share"], 2),
         "engine_sequences_at_once": engine["sequences"],
         "rollout_waves": engine["waves"],
+        "hf_sampling_gb": gigabytes(sampling["peak"] / 1e9),
+        "hf_kv_cache_gb": gigabytes(sampling["kv_cache"] / 1e9),
+        "hf_backend_fits": hf_peak <= usable,
         "run_peak_gb": gigabytes(run_peak / 1e9),
         "usable_gb": gigabytes(usable / 1e9),
         "largest_micro_batch": largest,
@@ -668,13 +696,19 @@ def card_bytes_of(gpu_gb: float) -> int:
 
 
 def fix_for(result: dict, config) -> str:
-    """The flag to change when a run does not fit. --backend hf is never the advice: the plan
-    does not count what its sampling holds (generate's KV cache and logits), so it cannot say
-    that backend fits."""
+    """The flag to change when a run does not fit. Where the engine is what does not fit,
+    --backend hf is named too if its plan (no engine; generate's sampling beside the trainer)
+    fits the card."""
     if result["engine_problem"]:
+        fix = result["engine_problem"]
         if config.full_finetune:  # float32 weights, gradients and moments crowd the engine out
-            return f"{result['engine_problem']}, or drop --full-finetune (LoRA)"
-        return result["engine_problem"]
+            fix += ", or drop --full-finetune (LoRA)"
+        if result["hf_backend_fits"]:
+            fix += (
+                f", or pass --backend hf (slower sampling; its KV cache, "
+                f"{result['hf_kv_cache_gb']:.1f} GB, fits)"
+            )
+        return fix
     largest = result["largest_micro_batch"]
     if largest:
         return f"pass --micro-batch-size {largest}"
@@ -715,6 +749,15 @@ def engine_line(result: dict, config) -> str:
     )
 
 
+def sampling_line(result: dict) -> str:
+    """--backend hf's row of the report: what generate holds beside the trainer's weights."""
+    return (
+        f"  sampling (generate)   {result['hf_sampling_gb']:7.2f} GB (KV cache "
+        f"{result['hf_kv_cache_gb']:.2f} GB for {result['sequences_per_step']} rows of "
+        f"{result['max_seq_len']} tokens at once, beside the trainer's resident bytes)"
+    )
+
+
 def print_report(result: dict, config) -> None:
     """The forecast for people, then one JSON line."""
     lines = [
@@ -725,6 +768,7 @@ def print_report(result: dict, config) -> None:
         f"{result['trainer_weights_gb']:.2f} GB, adapters and AdamW states)",
         f"  trainer, update peak  {result['update_peak_gb']:7.2f} GB (the engine asleep)",
         f"  engine                {engine_line(result, config)}",
+        *([sampling_line(result)] if config.backend == "hf" else []),
         f"  run peak              {result['run_peak_gb']:7.2f} GB",
         f"verdict: {verdict(result, config)}",
     ]
@@ -748,15 +792,16 @@ def forecast_if_asked(config, step: TrainerStep) -> None:
         raise SystemExit(0)
 
 
-def before_loading(config, step: TrainerStep) -> None:
+def before_loading(config, step: TrainerStep) -> float | None:
     """On CUDA, before the model loads: a run that cannot fit is refused with one line naming the
-    flag to change (a run that fits says nothing). It simulates a step, the costliest check of a
-    run, so sage.start_run calls it after the cheap ones."""
+    flag to change; a run that fits says nothing and gets its forecast peak in GB (the run's
+    logger compares it with the peaks measured; None on the CPU). It simulates a step, the
+    costliest check of a run, so sage.start_run calls it after the cheap ones."""
     if plan_device() != "cuda":
-        return
+        return None
     result = plan(config, card_of(config), step, search=False)
     if result["fits"]:
-        return
+        return result["run_peak_gb"]
     if not result["engine_problem"]:  # would a smaller micro-batch fit?
         result = plan(config, card_of(config), step)
     raise SystemExit(f"error: the run {verdict(result, config)}")

@@ -112,7 +112,8 @@ def truncate_jsonl(path: str, before_step: int) -> None:
 
 
 class PhaseTimer:
-    """Wall-clock seconds per phase of a step, accumulated over the step.
+    """Wall-clock seconds per phase of a step, accumulated over the step, and on CUDA the GPU's
+    peak allocated and reserved memory in each phase (its statistics reset as a phase starts).
 
     >>> timer = PhaseTimer()
     >>> with timer("reward"):
@@ -123,23 +124,35 @@ class PhaseTimer:
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.peaks: dict[str, tuple[float, float]] = {}  # GB allocated, reserved (CUDA only)
+        self.on_cuda = torch.cuda.is_available()
         self.started = time.perf_counter()
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
         started = time.perf_counter()
+        if self.on_cuda:
+            torch.cuda.reset_peak_memory_stats()
         try:
             yield
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
+            if self.on_cuda:
+                peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+                before = self.peaks.get(phase, (0.0, 0.0))
+                self.peaks[phase] = tuple(max(a, b / 1e9) for a, b in zip(before, peak))
 
     def record(self) -> dict[str, float]:
         """Each phase's seconds, the whole step's since the timer was made, and what no phase
-        covers."""
-        times = {f"time/{phase}_s": seconds for phase, seconds in self.seconds.items()}
-        times["time/step_s"] = time.perf_counter() - self.started
-        times["time/other_s"] = times["time/step_s"] - sum(self.seconds.values())
-        return times
+        covers; on CUDA each phase's peak memory (``memory/<phase>_peak_gb`` allocated,
+        ``memory/<phase>_peak_reserved_gb``)."""
+        record = {f"time/{phase}_s": seconds for phase, seconds in self.seconds.items()}
+        record["time/step_s"] = time.perf_counter() - self.started
+        record["time/other_s"] = record["time/step_s"] - sum(self.seconds.values())
+        for phase, (allocated, reserved) in self.peaks.items():
+            record[f"memory/{phase}_peak_gb"] = allocated
+            record[f"memory/{phase}_peak_reserved_gb"] = reserved
+        return record
 
 
 class StepMetrics:

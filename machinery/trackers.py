@@ -112,10 +112,20 @@ class RunLogger:
     progress bar, the zero-reward warning, and pass@k every --eval-every steps into eval.jsonl.
     ``evaluation`` makes an evaluation's rows (evaluate.training_evaluation, passed by sage.py)."""
 
-    def __init__(self, config, run_dir: str, tokenizer, benchmarks: dict, evaluation):
+    def __init__(
+        self,
+        config,
+        run_dir: str,
+        tokenizer,
+        benchmarks: dict,
+        evaluation,
+        forecast_gb: float | None = None,
+    ):
         self.config, self.run_dir, self.tokenizer = config, run_dir, tokenizer
         self.benchmarks = benchmarks  # {name: [Problem]} (evaluate.training_benchmarks)
         self.evaluation = evaluation
+        self.forecast_gb = forecast_gb  # the memory plan's run peak (CUDA), checked each step
+        self.peak_gb: float | None = None  # the highest step peak allocated so far (CUDA)
         self.trackers = Trackers(
             config.report_to,
             run_dir,
@@ -143,6 +153,7 @@ class RunLogger:
             **timer.record(),
         }
         self.trackers.log(record, step)
+        self.check_memory(record, step)
         if progress is not None:
             progress.set_postfix(
                 reward=f"{record['reward']:.3f}", kl=f"{record.get('kl/ref_k3', 0.0):.4f}"
@@ -155,6 +166,17 @@ class RunLogger:
                 "learning signal; check the answer format and the reward, or warm-start with "
                 "--sft-dataset"
             )
+
+    def check_memory(self, record: dict, step: int) -> None:
+        """On CUDA: the run's peak allocated so far (what the plan forecasts), and one line the
+        first time a step's exceeds the forecast."""
+        peaks = [v for k, v in record.items() if k.startswith("memory/") and k.endswith("_peak_gb")]
+        if not peaks:
+            return
+        first_excess = self.peak_gb is None or self.peak_gb <= (self.forecast_gb or math.inf)
+        self.peak_gb = max(self.peak_gb or 0.0, max(peaks))
+        if first_excess and self.peak_gb > (self.forecast_gb or math.inf):
+            tqdm.write(memory_line(self.peak_gb, self.forecast_gb, f"step {step}"))
 
     def evaluate(self, engine, updates: int, first: bool = False, policy=None) -> None:
         """pass@k after ``updates`` optimizer steps, when due: before the first step (``first``,
@@ -194,4 +216,21 @@ class RunLogger:
             )
 
     def close(self) -> None:
+        if self.peak_gb is not None:
+            print(memory_line(self.peak_gb, self.forecast_gb, "the run"))
         self.trackers.close()
+
+
+def memory_line(peak_gb: float, forecast_gb: float | None, what: str) -> str:
+    """The GPU's peak allocated memory against the plan's forecast, in one line.
+
+    >>> memory_line(41.5, 38.0, "step 3")
+    "[memory] step 3 peaked at 41.5 GB allocated, above the plan's 38.0 GB"
+    """
+    if forecast_gb is None:
+        return f"[memory] {what} peaked at {peak_gb:.1f} GB allocated, no plan"
+    side = "above" if peak_gb > forecast_gb else "within"
+    return (
+        f"[memory] {what} peaked at {peak_gb:.1f} GB allocated, {side} the plan's "
+        f"{forecast_gb:.1f} GB"
+    )

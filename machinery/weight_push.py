@@ -35,16 +35,19 @@ def is_peft_model(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def engine_weights(model: torch.nn.Module):
-    """The weights to push, an iterator of (base name, tensor), valid inside the ``with`` block.
+def engine_weights(model: torch.nn.Module, dtype: torch.dtype | None = None):
+    """The weights to push, an iterator of (base name, tensor), valid inside the ``with`` block,
+    each in the engine's ``dtype`` (None: the parameter's own; float32 weights of a
+    --full-finetune are cast one tensor at a time into a bf16 engine).
 
     For a peft model each LoRA layer's merged weight W + scale * B A is computed out of place in
-    float32, one layer at a time as the engine consumes them, and cast to W's dtype: the
+    float32, one layer at a time as the engine consumes them, and cast to the engine's dtype: the
     trainer's base weights are never touched. (peft's merge_adapter / unmerge_adapter, TRL's
     route, adds and subtracts the delta in place; in bf16 W + d - d != W, so the base -- which is
     also the reference policy -- drifts by a rounding error per sync, and a delta below half an
-    ulp never reaches the engine.) A full model gives its parameters as they are. No copy is
-    kept: the engine copies each tensor into its own storage. Tied weights appear once.
+    ulp never reaches the engine.) A full model gives its parameters as they are (cast, if the
+    engine's dtype differs). No copy is kept: the engine copies each tensor into its own storage.
+    Tied weights appear once.
     """
     lora_layers = {}
     if is_peft_model(model):
@@ -60,12 +63,12 @@ def engine_weights(model: torch.nn.Module):
                     continue
                 module = lora_layers.get(name)
                 if module is None or module.disable_adapters:
-                    yield base, parameter.detach()
+                    yield base, parameter.detach().to(dtype or parameter.dtype)
                     continue
                 merged = parameter.detach().float()
                 for adapter in module.active_adapters:
                     if adapter in module.lora_A:
                         merged = merged + module.get_delta_weight(adapter).float()
-                yield base, merged.to(parameter.dtype)
+                yield base, merged.to(dtype or parameter.dtype)
 
     yield weights()

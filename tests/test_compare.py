@@ -114,10 +114,42 @@ TINY = shlex.split(
 )
 
 
+def test_on_cuda_each_job_has_a_gpu_of_its_own(monkeypatch):
+    """Two vLLM engines on one GPU break each other's sizing: --jobs above the visible GPUs is
+    refused in one line; with a GPU per job, each stage runs on its job's GPU alone."""
+    import torch
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit) as refused:
+        compare.parse_args(["--jobs", "2", "--seeds", "2"])
+    message = str(refused.value)
+    assert message.startswith("error: --jobs 2") and "\n" not in message
+    assert message.endswith("pass --jobs 1 or fewer, one per visible GPU")
+    assert compare.parse_args(["--jobs", "2", "--seeds", "1"])[0].gpus == ["0"]  # one job
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    args, _ = compare.parse_args(["--jobs", "2", "--seeds", "2"])
+    assert args.gpus == ["3", "5"] and args.gpu is None
+    seen = []
+    finished = type("Finished", (), {"returncode": 0})
+    monkeypatch.setattr(
+        compare.subprocess, "run", lambda command, env, **kwargs: seen.append(env) or finished
+    )
+    compare.run(["-m", "extras.demo"], threads=1, gpu="5")
+    compare.run(["-m", "extras.demo"], threads=1)  # on the CPU: the environment as it is
+    assert seen[0]["CUDA_VISIBLE_DEVICES"] == "5" and "CUDA_VISIBLE_DEVICES" not in seen[1]
+
+
 @pytest.mark.slow
 def test_a_killed_study_finishes_without_redoing_what_was_done(tmp_path):
+    """(On a node with one GPU, one job at a time: two engines do not share a GPU.)"""
+    import torch
+
     out = tmp_path / "study"
-    command = [sys.executable, "-m", "extras.compare", "--out", str(out), *TINY]
+    jobs = ["--jobs", "1"] if torch.cuda.device_count() == 1 else []
+    command = [sys.executable, "-m", "extras.compare", "--out", str(out), *TINY, *jobs]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
     study = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True, **quiet)

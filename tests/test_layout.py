@@ -16,9 +16,9 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ["sage", "rollout", "guides", "loss", "evaluate"]
 PACKAGES = ["extras", "machinery", "toy"]
-LIMITS = {"sage": 700, "guides": 400, "loss": 450, "rollout": 500, "evaluate": 850}
+LIMITS = {"sage": 720, "guides": 400, "loss": 450, "rollout": 500, "evaluate": 850}
 CHAPTERS_LIMIT = 2700  # the five chapters
-MACHINERY_LIMIT = 4500  # the machinery/ modules that `import sage` loads
+MACHINERY_LIMIT = 4700  # the machinery/ modules that `import sage` loads
 EXTRAS_EVERY_RUN = ["extras", "extras.flags"]  # the extras' flags (dataclasses), parsed by sage.py
 
 

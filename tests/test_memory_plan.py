@@ -115,19 +115,48 @@ def test_a_cuda_run_that_cannot_fit_is_refused_before_the_model_loads(
     # The same run on a card it fits says nothing and goes on.
     fits = run_config(model=tiny_config_dir, backend="hf")
     fits.extras["memory"] = memory_plan.PlanConfig(gpu_gb=card_gb * 10)
-    assert memory_plan.before_loading(fits, STEP) is None
+    forecast_gb = memory_plan.before_loading(fits, STEP)  # its forecast, for the run's logger
+    assert forecast_gb is not None and 0 <= forecast_gb < card_gb
 
 
 def test_the_engine_share_that_cannot_fit_names_its_flags(tiny_config_dir, monkeypatch):
     config = run_config(model=tiny_config_dir)
     config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=2)  # the engine alone needs > 2 GB
     monkeypatch.setattr(memory_plan, "plan_device", lambda: "cuda")
-    with pytest.raises(SystemExit, match="lower --max-seq-len or use a larger GPU$") as refused:
-        memory_plan.before_loading(config, STEP)
-    assert "--backend hf" not in str(refused.value)  # the plan does not count what hf holds
+    with pytest.raises(SystemExit, match="lower --max-seq-len or use a larger GPU, or pass "):
+        memory_plan.before_loading(config, STEP)  # --backend hf: its plan fits (no engine)
     config.full_finetune = True  # the trainer's float32 state is what crowds the engine out
     with pytest.raises(SystemExit, match="use a larger GPU, or drop --full-finetune"):
         memory_plan.before_loading(config, STEP)
+
+
+@pytest.mark.slow
+def test_the_plan_of_the_hf_backend_counts_generates_kv_cache(tmp_path, capsys):
+    """--backend hf samples the step's 64 rows at once with the trainer's model: at 8,192 tokens
+    the plan's sampling term is their KV cache (2 x layers x kv_heads x head_dim x bf16 bytes x
+    rows x length) within 10%, a row of the report and a part of the run's peak. On a 24 GB card
+    the engine does not fit, and the hf backend is not named, since its plan does not fit either."""
+    Qwen2Config(**{**SEVEN_B_SHAPE, "max_position_embeddings": 32768}).save_pretrained(tmp_path)
+    argv = ["--model", str(tmp_path), "--plan-memory", "--backend", "hf", "--gpu-gb", "80"]
+    with pytest.raises(SystemExit) as ended:
+        sage.main([*argv, "--max-seq-len", "8192", "--out", str(tmp_path / "runs")])
+    assert ended.value.code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    plan = json.loads(lines[-1])
+    assert any(line.strip().startswith("sampling (generate)") for line in lines)
+    shape = memory_plan.QWEN25_MATH_7B
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    kv_cache = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim * 2
+    kv_cache *= 64 * 8192
+    assert plan["hf_kv_cache_gb"] == pytest.approx(kv_cache / 1e9, abs=0.01)
+    assert kv_cache <= plan["hf_sampling_gb"] * 1e9 <= 1.1 * kv_cache
+    resident, sampling = plan["trainer_resident_gb"], plan["hf_sampling_gb"]
+    assert plan["run_peak_gb"] == pytest.approx(max(plan["update_peak_gb"], resident + sampling))
+    config = sage.Config(model=str(tmp_path), max_seq_len=8192)
+    config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=24)
+    result = memory_plan.plan(config, card_bytes=24 * 10**9, step=STEP, search=False)
+    assert result["engine_problem"] and not result["hf_backend_fits"]
+    assert "--backend hf" not in memory_plan.fix_for(result, config)
 
 
 def test_a_step_whose_kv_cache_does_not_fit_samples_in_waves(tmp_path):

@@ -5,7 +5,9 @@ completions agree token for token after a weight sync (of a full model and of a 
 the engine's log-probs agree with the trainer's (loss.py, float32, temperature and min-p
 replayed), seeds reproduce samples, EOS and the length limit end completions as reported, and
 the usual mistakes give one-line errors. One vLLM engine serves the whole module (start-up and
-warm-up cost about 10 s); each test pushes the weights it needs first.
+warm-up cost about 10 s); each test pushes the weights it needs first. On a CUDA node the engine
+runs on the GPU (vLLM's V2 runner and sampler) against the same CPU float32 reference: greedy
+completions agree up to a near-tie and log-probs within a tolerance that holds across devices.
 """
 
 import copy
@@ -140,6 +142,7 @@ def test_out_of_memory_during_a_weight_push_is_not_called_an_architecture_mismat
 
     engine = object.__new__(rollout.VLLMEngine)  # no vLLM start: only the push's error handling
     engine.llm, engine._asleep, engine.model_path = OutOfMemoryLLM(), set(), "m"
+    engine.weight_dtype = None  # push the weights as they are
     with pytest.raises(
         rollout.RolloutError,
         match="out of memory pushing the weights .*lower gpu_memory_utilization",
@@ -222,6 +225,22 @@ def test_engine_weights_of_a_lora_model_are_the_merged_weights_and_leave_the_bas
             assert not torch.allclose(peft_model(probe).logits, adapted_logits, atol=1e-3)
 
 
+def test_a_push_into_a_bf16_engine_casts_float32_weights_one_tensor_at_a_time(base_model):
+    """--full-finetune trains float32 weights; the engine on CUDA is bf16: each pushed tensor is
+    the weight (or the merged LoRA weight) rounded to bf16, and the trainer's stay float32."""
+    with weight_push.engine_weights(base_model, dtype=torch.bfloat16) as weights:
+        for (name, pushed), parameter in zip(weights, base_model.parameters()):
+            assert pushed.dtype == torch.bfloat16, name
+            assert torch.equal(pushed, parameter.detach().to(torch.bfloat16)), name
+    assert all(p.dtype == torch.float32 for p in base_model.parameters())
+    peft_model = lora_policy(base_model, seed=0)
+    with weight_push.engine_weights(peft_model) as weights:
+        merged = dict(weights)["model.layers.0.mlp.up_proj.weight"].clone()
+    with weight_push.engine_weights(peft_model, dtype=torch.bfloat16) as weights:
+        pushed = dict(weights)["model.layers.0.mlp.up_proj.weight"]
+    assert pushed.dtype == torch.bfloat16 and torch.equal(pushed, merged.to(torch.bfloat16))
+
+
 # --------------------------------------------------------------------------------------------
 # The hf engine alone (cheap)
 # --------------------------------------------------------------------------------------------
@@ -302,8 +321,41 @@ def greedy(engine, prompts, max_tokens=40):
     return [group[0].token_ids for group in groups]
 
 
+NEAR_TIE = 2e-2  # logits this close may be ordered either way by CUDA's and the CPU's kernels
+
+
+def assert_greedy_agrees(model, prompts, got, expected):
+    """Greedy completions of ``prompts`` against ``expected`` (HF's on the CPU in float32): equal
+    token for token on the CPU; on CUDA (vLLM's V2 runner, other kernels and reduction orders)
+    equal up to the first token where ``model``'s two best logits, given the common prefix, are
+    within NEAR_TIE of each other, after which either device may go either way."""
+    if not ON_CUDA:
+        assert got == expected
+        return
+    for prompt, mine, theirs in zip(prompts, got, expected):
+        common = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), None)
+        if common is None:  # equal up to the shorter: the same EOS, or the same length limit
+            assert len(mine) == len(theirs), (prompt, mine, theirs)
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + theirs[:common]])).logits[0, -1].float()
+        best, second = logits.topk(2).values.tolist()
+        assert best - second <= NEAR_TIE, f"diverged at token {common} by {best - second:.3g}"
+
+
+def assert_logprobs_close(errors: list[float]):
+    """The engine's log-probs minus the reference's, token by token: each within 1e-3 on the CPU
+    (float32 on both sides); on CUDA (vLLM's V2 runner and sampler, TF32 in its attention
+    kernels) the median within 5e-3 and 95% of the tokens within 5e-2, since a token at the edge
+    of the min-p, top-k or top-p set may be kept on one device and dropped on the other."""
+    errors = torch.tensor(errors).abs()
+    if not ON_CUDA:
+        assert errors.max() <= 1e-3
+        return
+    assert errors.median() <= 5e-3 and (errors <= 5e-2).float().mean() >= 0.95
+
+
 @pytest.mark.slow
-@pytest.mark.cpu_only("vLLM's and HF's greedy tokens agree exactly on CPU float32")
 def test_vllm_greedy_equals_hf_greedy_after_a_sync_of_perturbed_weights(
     tiny_model_dir, base_model, prompts, vllm_engine
 ):
@@ -311,12 +363,11 @@ def test_vllm_greedy_equals_hf_greedy_after_a_sync_of_perturbed_weights(
     expected = greedy(hf_engine(tiny_model_dir, policy), prompts)
     vllm_engine.sync_weights(base_model)
     assert greedy(vllm_engine, prompts) != expected  # the engine starts from other weights...
-    vllm_engine.sync_weights(policy)
-    assert greedy(vllm_engine, prompts) == expected  # ...and the sync makes it the trainer's
+    vllm_engine.sync_weights(policy)  # ...and the sync makes it the trainer's
+    assert_greedy_agrees(policy, prompts, greedy(vllm_engine, prompts), expected)
 
 
 @pytest.mark.slow
-@pytest.mark.cpu_only("vLLM's and HF's greedy tokens agree exactly on CPU float32")
 def test_vllm_greedy_equals_hf_greedy_through_a_lora_adapter(
     tiny_model_dir, base_model, prompts, vllm_engine
 ):
@@ -324,36 +375,35 @@ def test_vllm_greedy_equals_hf_greedy_through_a_lora_adapter(
     expected = greedy(hf_engine(tiny_model_dir, peft_model), prompts)
     with peft_model.disable_adapter():  # the adapter changes the completions
         assert expected != greedy(hf_engine(tiny_model_dir, peft_model), prompts)
-    vllm_engine.sync_weights(peft_model)
-    assert greedy(vllm_engine, prompts) == expected
-    # The hf engine's own copy syncs from the peft model the same way.
+    vllm_engine.sync_weights(peft_model)  # on CUDA: the LoRA push into a CUDA engine
+    assert_greedy_agrees(peft_model, prompts, greedy(vllm_engine, prompts), expected)
+    # The hf engine's own copy (on CUDA, on the GPU) syncs from the peft model the same way.
     plain = hf_engine(tiny_model_dir)  # its own copy of the saved weights
     plain.sync_weights(peft_model)
-    assert greedy(plain, prompts) == expected
+    assert_greedy_agrees(peft_model, prompts, greedy(plain, prompts), expected)
 
 
 @pytest.mark.slow
-@pytest.mark.cpu_only("CPU float32 log-probs of vLLM and the trainer")
 def test_vllm_logprobs_match_the_trainers_within_1e_3(base_model, prompts, vllm_engine):
+    """(On CUDA within the tolerance of ``assert_logprobs_close``.)"""
     policy = perturbed(base_model, seed=4)
     vllm_engine.sync_weights(policy)
     sampling = rollout.SamplingConfig(n=4, temperature=0.9, min_p=0.05, max_tokens=32, seed=11)
-    worst = 0.0
+    errors = []
     for prompt, group in zip(prompts, vllm_engine.generate(prompts, sampling)):
         for completion in group:
             assert len(completion.logprobs) == len(completion.token_ids) > 0
             reference = trainer_logprobs(policy, prompt, completion, 0.9, 0.05)
-            worst = max(worst, (torch.tensor(completion.logprobs) - reference).abs().max().item())
-    assert worst <= 1e-3
+            errors += (torch.tensor(completion.logprobs) - reference).tolist()
+    assert_logprobs_close(errors)
 
 
 @pytest.mark.slow
-@pytest.mark.cpu_only("CPU float32 log-probs of vLLM and HF")
 def test_vllm_top_k_top_p_logprobs_equal_the_hf_processors_on_the_trainers_logits(
     base_model, prompts, vllm_engine
 ):
     """The hf backend's processors (temperature, min-p, top-k, top-p, in that order) are vLLM's
-    sampler."""
+    sampler (on CUDA within the tolerance of ``assert_logprobs_close``)."""
     from transformers import LogitsProcessorList
 
     policy = perturbed(base_model, seed=5)
@@ -362,7 +412,7 @@ def test_vllm_top_k_top_p_logprobs_equal_the_hf_processors_on_the_trainers_logit
         n=4, temperature=0.8, min_p=0.02, top_k=20, top_p=0.9, max_tokens=24, seed=3
     )
     processors = LogitsProcessorList(hf_backend.sampling_processors(sampling))
-    worst = 0.0
+    errors = []
     for prompt, group in zip(prompts, vllm_engine.generate(prompts, sampling)):
         for completion in group:
             ids = torch.tensor([prompt + completion.token_ids])
@@ -372,8 +422,8 @@ def test_vllm_top_k_top_p_logprobs_equal_the_hf_processors_on_the_trainers_logit
             reference = (
                 torch.log_softmax(scores, -1).gather(-1, ids[0, len(prompt) :, None]).squeeze(-1)
             )
-            worst = max(worst, (torch.tensor(completion.logprobs) - reference).abs().max().item())
-    assert worst <= 1e-3
+            errors += (torch.tensor(completion.logprobs) - reference).tolist()
+    assert_logprobs_close(errors)
 
 
 @pytest.mark.slow

@@ -681,3 +681,19 @@ def test_on_cuda_the_cheap_checks_speak_before_the_memory_plan(
     text = str(ended.value)
     assert message in text and "\n" not in text and "--backend hf" not in text, text
     assert not (tmp_path / "runs").exists()
+
+
+def test_on_cuda_the_engine_is_bf16_even_for_a_full_finetune(tiny, monkeypatch):
+    """--full-finetune trains float32 weights on CUDA; the engine starts in bf16 (the memory
+    plan counts a bf16 engine, and the push casts). On the CPU it stays float32."""
+    import rollout
+
+    model, _ = tiny
+    started = []
+    monkeypatch.setattr(rollout, "make_engine", lambda *args, **kwargs: started.append(kwargs))
+    config = sage.Config(model="tiny", full_finetune=True)
+    sage.start_engine(config, "tiny", policy=model, reference=None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what decides the device
+    sage.start_engine(config, "tiny", policy=model, reference=None)
+    assert next(model.parameters()).dtype == torch.float32
+    assert [kwargs["dtype"] for kwargs in started] == ["float32", "bfloat16"]

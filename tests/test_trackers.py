@@ -47,3 +47,75 @@ def test_every_tracker_gets_the_same_keys(tmp_path, monkeypatch):
     data = (tmp_path / "wandb" / offline[0] / log).read_bytes()
     for key in ("reward", "kl/ref_k3", "q/mean", "eval/demo/pass@1"):
         assert key.encode() in data, key
+
+
+def one_step(logger, timer, step=0):
+    """A step's record through ``logger`` (two rollouts, one phase each of sampling and update)."""
+    import torch
+
+    import sage
+
+    rollouts = sage.Rollouts([[1], [1]], [[2, 3], [4]], ["", ""], ["stop"] * 2, [[0.0]] * 2, [], [])
+    with timer("rollout"):
+        pass
+    with timer("update"):
+        pass
+    logger.log_step(
+        step, rollouts, rewards=torch.tensor([1.0, 0.0]), metrics={}, timer=timer, lr=0.1
+    )
+
+
+def test_a_cuda_steps_metrics_carry_its_peak_memory_and_a_cpu_steps_none(
+    tmp_path, monkeypatch, capsys
+):
+    """Each phase's peak allocated and reserved GPU memory (reset as the phase starts) is in
+    metrics.jsonl on CUDA, with one line when a step exceeds the plan's forecast and one at the
+    end; on the CPU the record has no memory/ keys and nothing is said."""
+    import torch
+
+    import sage
+    from machinery import runs
+
+    config = sage.Config(model="tiny", report_to="jsonl")
+    (tmp_path / "cpu").mkdir(), (tmp_path / "cuda").mkdir()
+    cpu_logger = trackers.RunLogger(
+        config, str(tmp_path / "cpu"), tokenizer=None, benchmarks={}, evaluation=None
+    )
+    one_step(cpu_logger, runs.PhaseTimer())
+    cpu_logger.close()
+    record = json.loads((tmp_path / "cpu" / "metrics.jsonl").read_text())
+    assert "time/update_s" in record and not [k for k in record if k.startswith("memory/")]
+    assert "[memory]" not in capsys.readouterr().out
+
+    peaks = iter([10e9, 12e9, 30e9, 33e9, 20e9, 22e9, 41e9, 44e9])  # allocated, reserved per phase
+    resets = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(1))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(peaks))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: next(peaks))
+    logger = trackers.RunLogger(
+        config,
+        str(tmp_path / "cuda"),
+        tokenizer=None,
+        benchmarks={},
+        evaluation=None,
+        forecast_gb=35.0,
+    )
+    one_step(logger, runs.PhaseTimer(), step=0)
+    assert "[memory]" not in capsys.readouterr().out  # 30 GB: within the forecast
+    one_step(logger, runs.PhaseTimer(), step=1)
+    logger.close()
+    lines = (tmp_path / "cuda" / "metrics.jsonl").read_text().splitlines()
+    first, second = (json.loads(line) for line in lines)
+    assert {k: v for k, v in first.items() if k.startswith("memory/")} == {
+        "memory/rollout_peak_gb": 10.0,
+        "memory/rollout_peak_reserved_gb": 12.0,
+        "memory/update_peak_gb": 30.0,
+        "memory/update_peak_reserved_gb": 33.0,
+    }
+    assert second["memory/update_peak_gb"] == 41.0 and len(resets) == 4
+    said = capsys.readouterr().out.strip().splitlines()
+    assert said == [
+        "[memory] step 1 peaked at 41.0 GB allocated, above the plan's 35.0 GB",
+        "[memory] the run peaked at 41.0 GB allocated, above the plan's 35.0 GB",
+    ]
