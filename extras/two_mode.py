@@ -422,8 +422,9 @@ def train_arm(seed_dir: str, seed: int, arm: str, files: dict, args) -> str:
 
 
 def trajectory(run_dir: str) -> list[dict]:
-    """[{step, log_pi_b, log_pi_b_full}] from the run's evaluations: the probe's mean over the
-    phrasings of log pi(B | x), under the sampler's distribution (min-p) and pi_T's full softmax."""
+    """[{step, log_pi_b, log_pi_b_full, outside}] from the run's evaluations: the probe's mean over
+    the phrasings of log pi(B | x) under the sampler's distribution (min-p; over the phrasings
+    where B is kept) and pi_T's full softmax, and the share of phrasings where min-p cuts B."""
     from machinery.runs import read_jsonl
 
     points = []
@@ -434,6 +435,7 @@ def trajectory(run_dir: str) -> list[dict]:
                 "step": row["step"],
                 "log_pi_b": entry["mean_logp"],
                 "log_pi_b_full": entry["mean_logp_full"],
+                "outside": entry["outside"],
             }
         )
     return points
@@ -478,30 +480,45 @@ RULE = (
 def summarize(per_seed: dict[int, dict], args, seconds: float) -> dict:
     """Per arm and seed: predicted, trained (the last evaluation) and start log pi(B); per arm,
     intervals over seeds of each, of trained minus predicted, and of the lift over the unguided
-    arm of its estimator, predicted and trained; the verdict of ``RULE``."""
+    arm of its estimator, predicted and trained; the verdict of ``RULE``.
+
+    The trained measure is the sampler's: where min-p cuts B at the last evaluation (pi(B) below
+    1% of pi(A) for some phrasing), the sampler never writes B and its log pi(B) is -inf; that
+    seed's value is None and the arm has no interval ("outside_seeds" names the seeds). The same
+    measures over pi_T's full softmax ("trained_full", "lift_trained_full") are always finite.
+    """
     arms = [arm for arm in args.arms if all(arm in s["arms"] for s in per_seed.values())]
     table = {}
     for arm in arms:
         seeds = {}
         for seed, result in per_seed.items():
-            points = result["arms"][arm]
+            last = result["arms"][arm][-1]
+            predicted = result["prediction"]["log_pi_b"][arm]
+            trained = None if last["outside"] > 0 else last["log_pi_b"]
             seeds[seed] = {
                 "start": result["prediction"]["log_pi_b"]["start"],
-                "predicted": result["prediction"]["log_pi_b"][arm],
-                "trained": points[-1]["log_pi_b"],
-                "trained_full": points[-1]["log_pi_b_full"],
+                "predicted": predicted,
+                "trained": trained,
+                "trained_full": last["log_pi_b_full"],
+                "trained_minus_predicted": None if trained is None else trained - predicted,
             }
-            seeds[seed]["trained_minus_predicted"] = (
-                seeds[seed]["trained"] - seeds[seed]["predicted"]
-            )
-        table[arm] = {"per_seed": seeds}
+        outside = [seed for seed, values in seeds.items() if values["trained"] is None]
+        table[arm] = {"per_seed": seeds, "outside_seeds": outside}
         for measure in ("start", "predicted", "trained", "trained_full", "trained_minus_predicted"):
-            table[arm][measure] = interval([values[measure] for values in seeds.values()])
+            values = [values[measure] for values in seeds.values()]
+            table[arm][measure] = interval([] if None in values else values)
     for arm, unguided in UNGUIDED.items():
         if arm in table and unguided in table:
             guided_seeds, plain_seeds = table[arm]["per_seed"], table[unguided]["per_seed"]
-            table[arm]["lift_predicted"] = paired_difference(guided_seeds, plain_seeds, "predicted")
-            table[arm]["lift_trained"] = paired_difference(guided_seeds, plain_seeds, "trained")
+            lifts = {"lift_predicted": "predicted", "lift_trained_full": "trained_full"}
+            for key, measure in lifts.items():
+                table[arm][key] = paired_difference(guided_seeds, plain_seeds, measure)
+            either_outside = table[arm]["outside_seeds"] or table[unguided]["outside_seeds"]
+            table[arm]["lift_trained"] = (
+                interval([])
+                if either_outside
+                else paired_difference(guided_seeds, plain_seeds, "trained")
+            )
     return {
         "settings": {**{k: v for k, v in vars(args).items() if k != "out"}},
         "rule": RULE,
@@ -510,16 +527,37 @@ def summarize(per_seed: dict[int, dict], args, seconds: float) -> dict:
         "trajectories": {
             arm: {seed: result["arms"][arm] for seed, result in per_seed.items()} for arm in arms
         },
-        "wall_seconds": seconds,
+        "wall_seconds": {"this_invocation": seconds, "arms": arms_wall_seconds(args.out)},
     }
+
+
+def arms_wall_seconds(out: str) -> float | None:
+    """From the first arm's start (its config.json) to the last arm's end (its ``done``), read
+    off the files, so a study continued after a stop still reports when its arms ran."""
+    import glob
+
+    starts = [
+        os.path.getmtime(p) for p in glob.glob(os.path.join(out, "seed-*", "*", "config.json"))
+    ]
+    ends = [os.path.getmtime(p) for p in glob.glob(os.path.join(out, "seed-*", "*", "done"))]
+    return max(ends) - min(starts) if starts and ends else None
 
 
 def verdict(table: dict) -> dict[str, str]:
     """``RULE`` applied to each guided arm: reproduced / not reproduced / too few seeds."""
     found = {}
-    for arm in UNGUIDED:
-        lift = table.get(arm, {}).get("lift_trained")
-        if lift is None or lift["low"] is None:
+    for arm, unguided in UNGUIDED.items():
+        if arm not in table:
+            continue
+        outside = sorted(set(table[arm]["outside_seeds"]) | set(table[unguided]["outside_seeds"]))
+        if outside:
+            found[arm] = (
+                f"not reproduced: B left the sampler's support (min-p) on seed(s) "
+                f"{', '.join(map(str, outside))}, so its log pi(B) there is -inf"
+            )
+            continue
+        lift = table[arm]["lift_trained"]
+        if lift["low"] is None:
             found[arm] = "too few seeds"
             continue
         predicted = table[arm]["lift_predicted"]["mean"]
@@ -528,15 +566,12 @@ def verdict(table: dict) -> dict[str, str]:
         if arm.startswith("k3"):
             holds = lift["low"] <= 0 <= lift["high"]
             found[arm] = "control holds (contains 0)" if holds else "control fails (excludes 0)"
+        elif excludes_zero and contains_prediction:
+            found[arm] = "reproduced"
         else:
-            holds = excludes_zero and contains_prediction
             found[arm] = (
-                "reproduced"
-                if holds
-                else (
-                    f"not reproduced (excludes 0: {excludes_zero}, contains the prediction "
-                    f"{predicted:+.2f}: {contains_prediction})"
-                )
+                f"not reproduced (excludes 0: {excludes_zero}, contains the prediction "
+                f"{predicted:+.2f}: {contains_prediction})"
             )
     return found
 
@@ -552,7 +587,8 @@ def format_report(summary: dict) -> str:
             return f"{value['mean']:+.3f}"
         return f"{value['mean']:+.3f} [{value['low']:+.2f}, {value['high']:+.2f}]"
 
-    columns = ("predicted", "trained", "trained_minus_predicted", "lift_predicted", "lift_trained")
+    columns = ("predicted", "trained", "trained_full", "lift_predicted", "lift_trained")
+    columns += ("lift_trained_full",)
     lines = [f"{'arm':22}" + "".join(f"{c:>28}" for c in columns)]
     for arm, entry in summary["arms"].items():
         lines.append(f"{arm:22}" + "".join(f"{cell(entry.get(c)):>28}" for c in columns))
@@ -561,34 +597,39 @@ def format_report(summary: dict) -> str:
 
 
 def plot(summary: dict, out: str) -> None:
-    """pi(B) against the step per arm (mean over seeds of the probe's log pi(B), as
-    exp), with each arm's predicted fixed point as a dashed line of its colour."""
+    """One panel per arm: pi(B | x) against the step for each seed (the exp of the mean over
+    phrasings of log pi_T(B | x), the full softmax's, finite where min-p cuts B) and, dashed in
+    the seed's colour, that seed's predicted fixed point."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axis = plt.subplots(figsize=(8, 4.5))
-    for colour, (arm, seeds) in enumerate(summary["trajectories"].items()):
-        runs = list(seeds.values())
-        steps = [point["step"] for point in runs[0]]
-        means = [sum(run[i]["log_pi_b"] for run in runs) / len(runs) for i in range(len(steps))]
-        axis.plot(steps, [math.exp(m) for m in means], color=f"C{colour}", label=arm)
-        predicted = summary["arms"][arm]["predicted"]["mean"]
-        axis.axhline(math.exp(predicted), color=f"C{colour}", linestyle="--", linewidth=1)
-    axis.set_xlabel("optimizer step")
-    axis.set_ylabel("pi(B | x): exp of the mean over phrasings and seeds of log pi(B | x)")
-    seconds = summary["wall_seconds"]
-    seeds = len(next(iter(summary["trajectories"].values())))
-    axis.set_title(
-        f"two-mode task: trained (lines) vs Eq. 4 / toy fixed point (dashed), {seeds} seeds, "
-        f"{seconds / 60:.0f} min",
-        fontsize=9,
+    arms = list(summary["trajectories"])
+    fig, axes = plt.subplots(1, len(arms), figsize=(3.2 * len(arms), 3.6), sharey=True)
+    for axis, arm in zip(axes, arms):
+        for colour, (seed, points) in enumerate(summary["trajectories"][arm].items()):
+            steps = [point["step"] for point in points]
+            values = [math.exp(point["log_pi_b_full"]) for point in points]
+            axis.plot(steps, values, color=f"C{colour}", linewidth=1.2, label=f"seed {seed}")
+            predicted = summary["arms"][arm]["per_seed"][seed]["predicted"]
+            axis.axhline(math.exp(predicted), color=f"C{colour}", linestyle="--", linewidth=0.8)
+        axis.set_title(arm, fontsize=9)
+        axis.set_xlabel("optimizer step", fontsize=8)
+    axes[0].set_ylabel("pi(B | x) (dashed: the exact prediction)", fontsize=8)
+    axes[0].legend(fontsize=7)
+    seconds = summary["wall_seconds"]["arms"] or summary["wall_seconds"]["this_invocation"]
+    fig.suptitle(
+        f"two-mode task, K = {summary['settings']['k']}, M = {summary['settings']['m']}: "
+        f"the trained pi(B) per seed against its prediction (arms trained in "
+        f"{seconds / 60:.0f} min)",
+        fontsize=10,
     )
-    axis.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    temporary = out + ".tmp.png"
+    fig.savefig(temporary, dpi=110)
     plt.close(fig)
+    os.replace(temporary, out)
 
 
 # ---- 5. The command line ----------------------------------------------------------------------
