@@ -616,6 +616,16 @@ def support_and_guide_map(policy, tokenizer, problems, config, updates: int) -> 
 # ---- 4. The command line: a run over benchmarks, atomic results, resume ----------------------
 
 
+def engine_maker(backend: str):
+    """The ``make_engine`` of --backend: ``rollout.make_engine`` (vLLM), or for "hf" that of
+    extras/hf_engine.py (transformers ``generate``), imported only then."""
+    if backend != "hf":
+        return rollout.make_engine
+    from extras import hf_engine
+
+    return hf_engine.make_engine
+
+
 def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
     """The CLI's work: load benchmarks, skip finished (benchmark, seed) pairs of an existing
     --out, sample and grade the rest (one engine call per seed over all benchmarks), write the
@@ -652,7 +662,7 @@ def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
     if todo:
         engine = files.start_engine(
             args,
-            make_engine=make_engine or rollout.make_engine,
+            make_engine=make_engine or engine_maker(args.backend),
             cuda_fraction=rollout.CUDA_STANDALONE_MEMORY_FRACTION,
         )
         prompts = {

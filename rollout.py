@@ -10,7 +10,8 @@ top-p masks (TRL keeps the raw model's); loss.py replays them, so on-policy the 
 Beside it: machinery/engine_checks.py (one-line errors), machinery/memory_plan.py (the
 engine's share of the GPU), machinery/vllm_cpu.py (vLLM's CPU
 backend, docs/vllm-cpu.md), machinery/weight_push.py (a LoRA adapter merged out of place) and
-extras/hf_engine.py (the same interface over transformers ``generate``, backend "hf").
+extras/hf_engine.py (the same interface over transformers ``generate``, backend "hf"; it
+imports this file, so this file never imports it: the callers choose the backend).
 """
 
 from __future__ import annotations
@@ -368,35 +369,27 @@ def engine_gap(old_logps: torch.Tensor, engine_logps: torch.Tensor, mask: torch.
 
 def make_engine(
     model_path: str | os.PathLike,
-    backend: str = "vllm",
     *,
     max_model_len: int = 2048,
     dtype: str = "auto",
     seed: int = 0,
     model: torch.nn.Module | None = None,
     **engine_kwargs,
-):
-    """A rollout engine for ``model_path``: "vllm" (``VLLMEngine``) or "hf" (``HFEngine`` of
-    extras/hf_engine.py, transformers).
+) -> VLLMEngine:
+    """The vLLM rollout engine for ``model_path`` (backend "vllm"). The "hf" backend's engine
+    comes from ``make_engine`` of extras/hf_engine.py, with the same arguments: the callers
+    (``sage.start_engine``, ``evaluate.run_evaluation``) pick one by --backend.
 
-    ``model``: the trainer's in-memory model, if any. The hf engine generates through it; the
-    vLLM engine loads ``model_path`` and then syncs ``model`` into it, so both start from the
-    trainer's current weights. ``engine_kwargs`` go to the engine; the hf engine ignores the
-    vLLM engine's ``gpu_memory_utilization`` (on CUDA its share of the GPU, default 0.3; on CPU
-    the share of RAM for the KV cache, default 0.05), ``enable_sleep_mode`` and
+    ``model``: the trainer's in-memory model, if any: the engine loads ``model_path`` and then
+    syncs ``model`` into it, so it starts from the trainer's current weights. ``engine_kwargs``
+    go to the engine: ``gpu_memory_utilization`` (on CUDA its share of the GPU, default 0.3; on
+    CPU the share of RAM for the KV cache, default 0.05), ``enable_sleep_mode``,
     ``trainer_bytes`` (on CUDA, what the trainer keeps beside the engine; its sequences at once
-    are sized to the rest).
+    are sized to the rest), ``max_num_seqs``, ...
     """
-    common = dict(max_model_len=max_model_len, dtype=dtype, seed=seed)
-    if backend == "vllm":
-        engine = VLLMEngine(model_path, **common, **engine_kwargs)
-        if model is not None:
-            engine.sync_weights(model)
-        return engine
-    if backend == "hf":
-        from extras.hf_engine import HFEngine
-
-        vllm_only = ("gpu_memory_utilization", "enable_sleep_mode", "trainer_bytes")
-        hf_kwargs = {name: value for name, value in engine_kwargs.items() if name not in vllm_only}
-        return HFEngine(model_path, model=model, **common, **hf_kwargs)
-    raise RolloutError(f"unknown backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    engine = VLLMEngine(
+        model_path, max_model_len=max_model_len, dtype=dtype, seed=seed, **engine_kwargs
+    )
+    if model is not None:
+        engine.sync_weights(model)
+    return engine

@@ -266,17 +266,20 @@ def start_engine(config: Config, base_path: str, policy, reference):
     casts them), float32 on the CPU; on CUDA it holds as many of a step's sequences as fit beside
     the trainer."""
     dtype = str(models.device_and_dtype()[1]).removeprefix("torch.")
-    limits = {}
-    if config.backend == "vllm":  # sized to one step's batch
+    if config.backend == "hf":  # transformers generate (extras/hf_engine.py), through the policy
+        from extras import hf_engine
+
+        make_engine, limits = hf_engine.make_engine, {}
+    else:  # vLLM, its batch limits sized to one step's batch
+        make_engine = rollout.make_engine
         limits = rollout.engine_limits(
             prompts_per_call=config.prompts_per_step,
             n=config.rollouts,
             max_prompt_len=config.max_prompt_len,
             max_model_len=config.max_seq_len,
         )
-    engine = rollout.make_engine(
+    engine = make_engine(
         base_path,
-        config.backend,
         max_model_len=config.max_seq_len,
         seed=config.seed,
         dtype=dtype,

@@ -42,6 +42,7 @@ import torch  # noqa: E402
 import loss  # noqa: E402
 import rollout  # noqa: E402
 from extras import demo  # noqa: E402
+from extras import hf_engine as hf_backend  # noqa: E402
 from machinery import task  # noqa: E402
 
 MIN_P_TOLERANCE = 2e-4  # in logits / T; >= 3x the largest engine-trainer log-prob gap without min-p
@@ -151,11 +152,11 @@ def main(argv=None) -> dict:
         extra = {} if args.enforce_eager < 0 else {"enforce_eager": bool(args.enforce_eager)}
         start = time.perf_counter()
         vllm_engine = rollout.make_engine(
-            model_dir, "vllm", max_model_len=args.max_model_len, dtype="float32", **extra
+            model_dir, max_model_len=args.max_model_len, dtype="float32", **extra
         )
         startup_s = time.perf_counter() - start
-        hf_engine = rollout.make_engine(
-            model_dir, "hf", max_model_len=args.max_model_len, model=policy
+        hf_engine = hf_backend.make_engine(
+            model_dir, max_model_len=args.max_model_len, model=policy
         )
         prompts = chat_prompts(hf_engine.tokenizer, args.prompts)
 

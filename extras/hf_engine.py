@@ -252,3 +252,25 @@ class HFEngine:
 
     def __exit__(self, *exc_info):
         self.close()
+
+
+# What only vLLM's engine takes: its share of the memory, sleep mode, the trainer's bytes beside it.
+VLLM_ONLY = ("gpu_memory_utilization", "enable_sleep_mode", "trainer_bytes")
+
+
+def make_engine(
+    model_path: str | os.PathLike,
+    *,
+    max_model_len: int = 2048,
+    dtype: str = "auto",
+    seed: int = 0,
+    model: torch.nn.Module | None = None,
+    **engine_kwargs,
+) -> HFEngine:
+    """The hf rollout engine, with ``rollout.make_engine``'s arguments (``--backend hf``): it
+    generates through ``model``, the trainer's in-memory model, if given, and ignores the vLLM
+    engine's ``gpu_memory_utilization``, ``enable_sleep_mode`` and ``trainer_bytes``."""
+    kwargs = {name: value for name, value in engine_kwargs.items() if name not in VLLM_ONLY}
+    return HFEngine(
+        model_path, max_model_len=max_model_len, dtype=dtype, seed=seed, model=model, **kwargs
+    )

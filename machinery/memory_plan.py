@@ -21,7 +21,10 @@ held-fixed per-token values of the others are left out). Beside it:
 * the run's peak: the engine sleeps during the update (level 2), so the peak is the larger of
   the update's and the trainer's resident weights beside the awake engine;
 * with --backend hf, no engine: transformers ``generate`` samples the step's rows at once with
-  the trainer's own weights and holds their KV cache (``hf_sampling``) beside its resident bytes.
+  the trainer's own weights and holds their KV cache (``hf_sampling``) beside its resident bytes;
+* with --eval-solution-key, the support probe of each evaluation: a teacher-forced pass with no
+  gradient beside the awake engine, its [B, C, V] logits and their float32 copies
+  (``probe_activations``).
 
 Error: allocator rounding, fragmentation and CUDA workspaces (cuBLAS, the CUDA context) are not
 counted; 5% of the card is kept free for them (``GPU_HEADROOM``). A card of N GB
@@ -609,16 +612,53 @@ def hf_sampling(model_config, config, dtype: torch.dtype) -> dict:
     return {"kv_cache": kv_cache, "peak": max(prefill, last_token), "rows": rows}
 
 
-def largest_fitting_micro_batch(model_config, config, dtype, usable: int, step: TrainerStep) -> int:
+def probe_runs(config) -> bool:
+    """Whether the run's evaluations run the support probe: --eval-solution-key with
+    --eval-every."""
+    return bool(config.eval.eval_solution_key) and config.eval.eval_every > 0
+
+
+def probe_activations(model_config, config, dtype: torch.dtype) -> dict:
+    """What ``evaluate.support_probe`` holds beyond the trainer's resident bytes, with no
+    gradient: a teacher-forced forward pass over --micro-batch-size B problems of --max-seq-len
+    L tokens, y* at most the completion budget C = L - --max-prompt-len long.
+
+    ``layer``: the forward pass holds one layer's activations at a time, each token's hidden
+    state in and out and four [intermediate] tensors of its MLP (as ``hf_sampling`` counts
+    them), in the trainer's dtype. ``logits``: after it, ``fast_logprobs.completion_logits``'s
+    [B, C, V] logits in the trainer's dtype and, inside ``loss.token_logps_and_entropies`` with
+    min-p (its first call; the second, without min-p, holds less), six float32 [B, C, V]
+    tensors at once (z masked, the full log-softmax, the log-softmax, its exp, their product and
+    the ``where`` over it) and two boolean ones (the kept mask, ``probs > 0``); without min-p,
+    five float32 and one boolean. ``peak``: the larger of the two."""
+    text = model_config.get_text_config()
+    rows, length = config.micro_batch_size, config.max_seq_len
+    completion = config.max_seq_len - config.max_prompt_len
+    size = dtype.itemsize
+    layer = rows * length * (2 * text.hidden_size + 4 * text.intermediate_size) * size
+    float32_copies, bool_copies = (6, 2) if config.min_p > 0 else (5, 1)
+    per_logit = size + 4 * float32_copies + bool_copies
+    logits = rows * completion * text.vocab_size * per_logit
+    return {"layer": layer, "logits": logits, "peak": max(layer, logits)}
+
+
+def largest_fitting_micro_batch(
+    model_config, config, dtype, usable: int, step: TrainerStep, probe_beside: int | None = None
+) -> int:
     """The largest power of two (up to the step's sequences) whose update peak fits in
-    ``usable`` bytes, by bisection (the peak grows with the micro-batch); 0 if none does."""
+    ``usable`` bytes, and whose support probe fits beside ``probe_beside`` bytes (the trainer's
+    resident bytes and the awake engine's share; None: no probe), by bisection (both peaks grow
+    with the micro-batch); 0 if none does."""
     sequences = config.prompts_per_step * config.rollouts
     sizes = [2**i for i in range(sequences.bit_length()) if 2**i <= sequences]
     low, high, best = 0, len(sizes) - 1, 0
     while low <= high:
         middle = (low + high) // 2
         trial = dataclasses.replace(config, micro_batch_size=sizes[middle])
-        if simulate_update(model_config, trial, dtype, step)["peak"] <= usable:
+        probe_fits = probe_beside is None or (
+            probe_beside + probe_activations(model_config, trial, dtype)["peak"] <= usable
+        )
+        if probe_fits and simulate_update(model_config, trial, dtype, step)["peak"] <= usable:
             best, low = sizes[middle], middle + 1
         else:
             high = middle - 1
@@ -641,10 +681,18 @@ def plan(
     hf_peak = max(update["peak"], update["resident"] + sampling["peak"])  # --backend hf's
     awake = update["resident"] + (engine["share"] or 0.0) * card_bytes
     run_peak = hf_peak if config.backend == "hf" else max(update["peak"], awake)
+    # The support probe runs beside the awake engine (with --backend hf, beside no engine).
+    probe = probe_activations(model_config, config, dtype)
+    probe_peak = awake + probe["peak"]
+    if probe_runs(config):
+        run_peak = max(run_peak, probe_peak)
     fits = not engine_reason and run_peak <= usable
     largest = None
     if search:
-        largest = largest_fitting_micro_batch(model_config, config, dtype, usable, step)
+        beside = int(awake) if probe_runs(config) else None
+        largest = largest_fitting_micro_batch(
+            model_config, config, dtype, usable, step, probe_beside=beside
+        )
     sequences = config.prompts_per_step * config.rollouts
     gigabytes = functools.partial(round, ndigits=2)
     return {
@@ -666,6 +714,9 @@ def plan(
         "hf_sampling_gb": gigabytes(sampling["peak"] / 1e9),
         "hf_kv_cache_gb": gigabytes(sampling["kv_cache"] / 1e9),
         "hf_backend_fits": hf_peak <= usable,
+        "probe_activations_gb": gigabytes(probe["peak"] / 1e9),
+        "probe_peak_gb": gigabytes(probe_peak / 1e9),
+        "probe_counted": probe_runs(config),
         "run_peak_gb": gigabytes(run_peak / 1e9),
         "usable_gb": gigabytes(usable / 1e9),
         "largest_micro_batch": largest,
@@ -712,6 +763,11 @@ def fix_for(result: dict, config) -> str:
     largest = result["largest_micro_batch"]
     if largest:
         return f"pass --micro-batch-size {largest}"
+    if result["probe_counted"] and result["probe_peak_gb"] > result["usable_gb"]:
+        return (
+            "drop --eval-solution-key (the support probe's logits do not fit beside the awake "
+            "engine), or lower --max-seq-len"
+        )
     if not config.gradient_checkpointing:
         return "keep --gradient-checkpointing on, or lower --max-seq-len"
     if config.full_finetune:
@@ -758,6 +814,18 @@ def sampling_line(result: dict) -> str:
     )
 
 
+def probe_line(result: dict, config) -> str:
+    """--eval-solution-key's row of the report: the support probe beside the awake engine."""
+    beside = "the trainer's resident bytes" + (
+        " and the awake engine" if config.backend == "vllm" else ""
+    )
+    return (
+        f"  support probe         {result['probe_peak_gb']:7.2f} GB (its logits and their float32 "
+        f"copies, {result['probe_activations_gb']:.2f} GB for {result['micro_batch_size']} "
+        f"problems at once, beside {beside})"
+    )
+
+
 def print_report(result: dict, config) -> None:
     """The forecast for people, then one JSON line."""
     lines = [
@@ -769,6 +837,7 @@ def print_report(result: dict, config) -> None:
         f"  trainer, update peak  {result['update_peak_gb']:7.2f} GB (the engine asleep)",
         f"  engine                {engine_line(result, config)}",
         *([sampling_line(result)] if config.backend == "hf" else []),
+        *([probe_line(result, config)] if result["probe_counted"] else []),
         f"  run peak              {result['run_peak_gb']:7.2f} GB",
         f"verdict: {verdict(result, config)}",
     ]

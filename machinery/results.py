@@ -93,9 +93,10 @@ def load_merged_model(model_path: str, adapter_path: str, dtype: str = "auto"):
 
 
 def start_engine(args, make_engine, cuda_fraction: float):
-    """The rollout engine that ``make_engine`` (``rollout.make_engine``) starts on the model of
-    evaluate.EvalArgs ``args``, with the adapter merged in if given: the engine loads the base
-    weights from disk, then takes the merged ones in place.
+    """The rollout engine that ``make_engine`` (``rollout.make_engine``, or for --backend hf that
+    of extras/hf_engine.py) starts on the model of evaluate.EvalArgs ``args``, with the adapter
+    merged in if given: the engine loads the base weights from disk, then takes the merged ones
+    in place.
 
     No trainer shares the GPU here, so the engine takes most of it (``--gpu-memory-utilization``
     defaults to ``cuda_fraction`` on CUDA) and never sleeps.
@@ -106,7 +107,6 @@ def start_engine(args, make_engine, cuda_fraction: float):
     merged = load_merged_model(args.model, args.adapter, args.dtype) if args.adapter else None
     return make_engine(
         args.model,
-        args.backend,
         max_model_len=args.max_model_len,
         dtype=args.dtype,
         gpu_memory_utilization=fraction,

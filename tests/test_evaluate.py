@@ -165,6 +165,11 @@ def eval_args(**overrides):
     return evaluate.EvalArgs(**{**fields, "model": "scripted", "progress": False, **overrides})
 
 
+def test_unknown_backend_lists_the_choices():
+    with pytest.raises(evaluate.EvalError, match="choose one of vllm, hf"):
+        evaluate.run_evaluation(eval_args(benchmarks="aime", backend="sglang"))
+
+
 def test_evaluate_problems_counts_correct_samples_per_problem_and_seed(pool):
     engine = ScriptedEngine()
     problems = [data.Problem(row["question"], row["solution"]) for row in TINY_PROBLEMS]

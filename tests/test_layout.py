@@ -202,6 +202,44 @@ def test_no_import_cycle_among_the_projects_modules():
     assert "sage" not in graph["evaluate"] and "evaluate" in graph["sage"]
 
 
+def test_the_chapters_import_of_extras_at_module_level_only_their_flags():
+    """Each chapter on its own (what importing it runs): of extras/, only what README.md says
+    every run imports; an extra's code is imported inside the branch of its flag."""
+    offenders = {
+        module: sorted(
+            m
+            for m in imported_project_modules(path_of(module), top_level_only=True)
+            if m.startswith("extras") and m not in EXTRAS_EVERY_RUN
+        )
+        for module in CORE
+    }
+    assert not any(offenders.values()), offenders
+
+
+def test_no_extra_is_imported_by_a_chapter_it_imports():
+    """The chapters reach an extra behind its flag, and an extra may use the chapters; but no
+    chapter imports (even inside a function) an extra that imports it back, directly or through
+    other modules: the backend choice lives in the callers, not in rollout.py."""
+    graph = {module_name(path): imported_project_modules(path) for path in source_files()}
+
+    def reached_from(module):
+        seen, todo = set(), list(graph[module])
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo += graph.get(name, ())
+        return seen
+
+    circles = [
+        f"{chapter} -> {extra} -> ... -> {chapter}"
+        for chapter in CORE
+        for extra in sorted(graph[chapter])
+        if extra.startswith("extras.") and chapter in reached_from(extra)
+    ]
+    assert not circles, circles
+
+
 def test_machinery_imports_no_chapter():
     """Imports go one way: the chapters use machinery/, never the reverse (an import inside a
     function counts); a chapter passes machinery what it needs as values."""

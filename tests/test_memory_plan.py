@@ -4,13 +4,15 @@ CUDA run that cannot fit is refused before the model loads (the CPU torch beside
 tests/test_flags.py)."""
 
 import copy
+import dataclasses
 import json
 import os
 
 import pytest
 import torch
-from transformers import Qwen2Config
+from transformers import AutoModelForCausalLM, Qwen2Config
 
+import evaluate
 import sage
 from machinery import engine_checks, memory_plan
 
@@ -300,3 +302,79 @@ def test_on_cuda_the_trainers_engine_starts_with_the_sequences_that_fit(monkeypa
     assert started["gpu_memory_utilization"] == needed and started["enable_sleep_mode"]
     assert trainer_bytes + needed * 48e9 <= (1 - memory_plan.GPU_HEADROOM) * 48e9
     assert "waves" in capsys.readouterr().out
+
+
+def probe_config(**overrides):
+    config = run_config(model="tiny", micro_batch_size=2, max_seq_len=48, max_prompt_len=16)
+    config.eval.eval_solution_key, config.eval.eval_every = "solution", 1
+    return dataclasses.replace(config, **overrides)
+
+
+@pytest.mark.parametrize("min_p", [0.01, 0.0])
+def test_the_support_probes_count_is_a_real_cpu_probes_peak(min_p):
+    """evaluate.solution_logps on a tiny float32 model whose logits dominate, counted storage by
+    storage on the CPU: its peak (at the ``where`` of the entropy) is the plan's count, the
+    logits and their float32 copies, plus less than one copy of the lm_head weight (the CPU's
+    matmul makes one; CUDA's does not) and a few small tensors."""
+    shape = {**TINY_SHAPE, "hidden_size": 32, "intermediate_size": 64, "vocab_size": 8192}
+    model_config = Qwen2Config(**{**shape, "num_attention_heads": 2, "num_key_value_heads": 1})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa")
+    prompts = [[(7 * i + j) % 8192 for j in range(16)] for i in range(2)]
+    solutions = [[(11 * i + 3 * j) % 8192 for j in range(32)] for i in range(2)]
+    counter = memory_plan.LiveStorages("cpu")
+    with counter:
+        evaluate.solution_logps(
+            model, prompts, solutions, temperature=1.0, min_p=min_p, pad_id=0, batch_size=2
+        )
+    counted = memory_plan.probe_activations(model_config, probe_config(min_p=min_p), torch.float32)
+    assert counted["peak"] == counted["logits"] > 50 * counted["layer"]
+    lm_head = 8192 * 32 * 4
+    assert counted["peak"] <= counter.peak <= counted["peak"] + 1.1 * lm_head
+
+
+def test_with_eval_solution_key_the_run_peak_counts_the_probe_beside_the_awake_engine(
+    tiny_config_dir, capsys
+):
+    """The probe's row of the report and its JSON keys: the trainer's resident bytes, the awake
+    engine's share and the probe's activations, in the run's peak only with --eval-solution-key
+    (and --eval-every). The 7B at the paper's step: the bf16 logits of 4 problems of 1,536
+    tokens and their copies take 26 GB (28 bytes a logit)."""
+    config = run_config(model=tiny_config_dir)
+    config.extras["memory"] = memory_plan.PlanConfig()
+    card = 48 * 10**9
+    without = memory_plan.plan(config, card_bytes=card, step=STEP, search=False)
+    probed = probe_config(model=tiny_config_dir, micro_batch_size=4, max_seq_len=160)
+    probed = dataclasses.replace(probed, max_prompt_len=32)
+    probed.extras["memory"] = memory_plan.PlanConfig()
+    result = memory_plan.plan(probed, card_bytes=card, step=STEP, search=False)
+    assert not without["probe_counted"] and result["probe_counted"]
+    activations = 4 * 128 * 512 * (2 + 6 * 4 + 2)  # B x C x V x (bf16 logits + copies)
+    assert result["probe_activations_gb"] == pytest.approx(activations / 1e9, abs=0.006)
+    awake = result["trainer_resident_gb"] + result["engine_share"] * 48
+    assert result["probe_peak_gb"] == pytest.approx(awake + activations / 1e9, abs=0.02)
+    assert result["run_peak_gb"] == max(without["run_peak_gb"], result["probe_peak_gb"])
+    memory_plan.print_report(result, probed)
+    assert "support probe" in capsys.readouterr().out
+
+    seven_b = memory_plan.probe_activations(
+        Qwen2Config(**SEVEN_B_SHAPE),
+        sage.Config(max_seq_len=1792, max_prompt_len=256),
+        torch.bfloat16,
+    )
+    assert seven_b["logits"] == 4 * 1536 * 152064 * 28 and seven_b["peak"] == seven_b["logits"]
+
+
+@pytest.mark.slow  # simulates the 7B's update on the meta device (about 5 s)
+def test_the_7b_probe_does_not_fit_beside_the_engine_on_48_gb_and_names_the_flag(tmp_path):
+    """docs/gpu.md: with --eval-solution-key the paper's step needs 66.1 GB at micro-batch 4 (the
+    engine awake, the probe's 26.2 GB beside it); on 48 GB no micro-batch fits, and the verdict
+    names --eval-solution-key."""
+    Qwen2Config(**SEVEN_B_SHAPE).save_pretrained(tmp_path)
+    config = sage.Config(model=str(tmp_path), max_seq_len=1792, max_prompt_len=256)
+    config.eval.eval_solution_key, config.eval.eval_every = "solution", 50
+    config.extras["memory"] = memory_plan.PlanConfig()
+    result = memory_plan.plan(config, card_bytes=48 * 10**9, step=STEP)
+    assert result["probe_peak_gb"] == pytest.approx(66.1, abs=0.5) and not result["fits"]
+    assert result["run_peak_gb"] == result["probe_peak_gb"]
+    assert "drop --eval-solution-key" in memory_plan.verdict(result, config)

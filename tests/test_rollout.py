@@ -20,6 +20,7 @@ import shutil
 import pytest
 import torch
 
+import evaluate
 import loss
 import rollout
 from extras import hf_engine as hf_backend
@@ -56,12 +57,22 @@ def test_sampling_config_rejects_bad_values_in_one_line(field, value, expected):
     assert expected in str(raised.value) and "\n" not in str(raised.value)
 
 
+# Each backend's engine maker: the trainer and evaluate.py pick one by --backend.
+MAKERS = {"vllm": rollout.make_engine, "hf": hf_backend.make_engine}
+
+
+def test_each_backend_has_its_engine_maker():
+    assert sorted(MAKERS) == sorted(rollout.BACKENDS)
+    assert evaluate.engine_maker("vllm") is rollout.make_engine
+    assert evaluate.engine_maker("hf") is hf_backend.make_engine
+
+
 @pytest.mark.parametrize("backend", rollout.BACKENDS)
 def test_missing_model_path_is_a_one_line_error(tmp_path, backend):
     with pytest.raises(
         rollout.RolloutError, match="does not exist: pass a directory written by save_pretrained"
     ):
-        rollout.make_engine(str(tmp_path / "no_such_model"), backend)
+        MAKERS[backend](str(tmp_path / "no_such_model"))
 
 
 def _copy_model(tiny_model_dir, tmp_path):
@@ -75,7 +86,7 @@ def test_corrupt_model_files_are_one_line_errors(tiny_model_dir, tmp_path, backe
     model_dir = _copy_model(tiny_model_dir, tmp_path)
     (model_dir / "config.json").write_text("{ not json")
     with pytest.raises(rollout.RolloutError, match="cannot read the model config") as raised:
-        rollout.make_engine(str(model_dir), backend)
+        MAKERS[backend](str(model_dir))
     assert "\n" not in str(raised.value)
 
     shutil.copy(os.path.join(tiny_model_dir, "config.json"), model_dir / "config.json")
@@ -83,11 +94,11 @@ def test_corrupt_model_files_are_one_line_errors(tiny_model_dir, tmp_path, backe
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])  # a truncated download
     with pytest.raises(rollout.RolloutError, match="corrupt weights file .*model.safetensors"):
-        rollout.make_engine(str(model_dir), backend)
+        MAKERS[backend](str(model_dir))
 
     weights.unlink()
     with pytest.raises(rollout.RolloutError, match="no weights in"):
-        rollout.make_engine(str(model_dir), backend)
+        MAKERS[backend](str(model_dir))
 
 
 @pytest.mark.slow  # imports vllm (about 5 s)
@@ -99,7 +110,7 @@ def test_unsupported_head_size_on_cpu_names_the_sizes_that_work(tiny_model_dir, 
     (model_dir / "config.json").write_text(json.dumps(config))
     expected = r"head size 48 is not supported .*supported: 32, 64, .*backend='hf'"
     with pytest.raises(rollout.RolloutError, match=expected):
-        rollout.make_engine(str(model_dir), "vllm")
+        rollout.make_engine(str(model_dir))
 
 
 @pytest.mark.skipif(
@@ -111,7 +122,6 @@ def test_out_of_memory_names_the_knob_to_lower(tiny_model_dir):
     with pytest.raises(rollout.RolloutError, match="out of memory: .*lower gpu_memory_utilization"):
         rollout.make_engine(
             tiny_model_dir,
-            "vllm",
             max_model_len=MAX_MODEL_LEN,
             gpu_memory_utilization=0.99,
             max_num_seqs=10**7,
@@ -148,11 +158,6 @@ def test_out_of_memory_during_a_weight_push_is_not_called_an_architecture_mismat
         match="out of memory pushing the weights .*lower gpu_memory_utilization",
     ):
         engine.sync_weights(torch.nn.Linear(2, 2))
-
-
-def test_unknown_backend_lists_the_choices(tiny_model_dir):
-    with pytest.raises(rollout.RolloutError, match="choose one of vllm, hf"):
-        rollout.make_engine(tiny_model_dir, "sglang")
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,8 +269,8 @@ def prompts(tiny_model_dir):
 
 def hf_engine(model_dir, model=None):
     """The reference: transformers generate, through ``model`` if given (else the saved weights)."""
-    return rollout.make_engine(
-        model_dir, "hf", max_model_len=MAX_MODEL_LEN, dtype="float32", model=model
+    return hf_backend.make_engine(
+        model_dir, max_model_len=MAX_MODEL_LEN, dtype="float32", model=model
     )
 
 
@@ -307,9 +312,7 @@ def test_hf_engine_logprobs_are_those_of_the_temperature_and_min_p_distribution(
 
 @pytest.fixture(scope="module")
 def vllm_engine(tiny_model_dir):
-    engine = rollout.make_engine(
-        tiny_model_dir, "vllm", max_model_len=MAX_MODEL_LEN, dtype="float32"
-    )
+    engine = rollout.make_engine(tiny_model_dir, max_model_len=MAX_MODEL_LEN, dtype="float32")
     yield engine
     engine.close()  # vLLM's distributed state is global: release it for the next engine
 
