@@ -169,7 +169,7 @@ def measures_of(path: str, groups: list[str]) -> dict[str, float]:
     passes = entry["pass_at_k"]
     measures = {f"pass@{k}": passes[k]["mean"] for k in sorted(passes, key=int)}
     (seed_entry,) = entry["seeds"].values()
-    counts, n = seed_entry["correct"], results["n"]
+    counts, n = seed_entry["correct"], results["sampling"]["n"]
     for group in dict.fromkeys(groups):
         members = [c for c, g in zip(counts, groups) if g == group]
         for k in sorted(passes, key=int):

@@ -52,7 +52,7 @@ def test_pass_at_k_per_group_comes_from_each_problems_counts(tmp_path):
 
     counts, groups = [0, 2, 4, 1], ["hard", "easy", "easy", "hard"]
     results = {
-        "n": 4,
+        "sampling": {"n": 4},
         "benchmarks": {
             "demo": {
                 "pass_at_k": {"1": {"mean": 7 / 16}, "4": {"mean": 0.75}},
