@@ -34,6 +34,7 @@ seed, with 95% intervals over seeds, against the rule written before the arms ra
 from __future__ import annotations
 
 import argparse
+import glob
 import itertools
 import json
 import math
@@ -41,13 +42,22 @@ import os
 import random
 import re
 import shlex
+import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import guides
 from extras.compare import interval, paired_difference, run
+from machinery.data import tokenize_sft_examples
+from machinery.runs import read_jsonl, save_model_atomic, write_json_atomic, write_jsonl_atomic
+from machinery.task import build_prompt_ids
+from toy import backward
+from toy.exact import TokenTree
 
 # ---- 1. The task ------------------------------------------------------------------------------
 
@@ -146,8 +156,6 @@ class TaskTree:
     own node is the node's (a branch q is one number per position)."""
 
     def __init__(self, task: TwoModeTask, tokenizer):
-        from toy.exact import TokenTree
-
         def token(text: str) -> int:
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) != 1:
@@ -267,9 +275,6 @@ def predict_arms(
     ``backward.fixed_point`` with that q; q from the policy's own entropies:
     ``backward.self_consistent_fixed_point`` (the tree's entropies, OTHER as one token).
     """
-    import guides
-    from toy import backward
-
     tree, rewards, branch = task_tree.tree, task_tree.rewards, guides.GuideConfig(name="branch")
     predicted = {"start": task_tree.log_pi_b(ref_theta)}
     node_q = guides.branch_guide(ref_entropies, tau=branch.tau, ratio=branch.ratio).double()
@@ -299,14 +304,13 @@ def predict_start(
     pi_ref writes a completion off the task (through OTHER), and the largest gap between the
     full-vocabulary entropy (what the trainer's guide reads) and the tree's (OTHER lumped) at B's
     positions."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from machinery.task import build_prompt_ids
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     task_tree = TaskTree(task, tokenizer)
     tree = task_tree.tree
+    through_other = [i for i, y in enumerate(tree.completions) if OTHER in y]
+    b_mode = (task_tree.mode_ids["B"],)
+    b_nodes = [tree.node_id[s] for s in task_tree.task_nodes if s[:1] == b_mode]
     per_phrasing, off_task, entropy_gap = [], 0.0, 0.0
     for phrasing in PHRASINGS:
         theta, entropies = node_distributions(
@@ -316,11 +320,7 @@ def predict_start(
             predict_arms(task_tree, theta, ref_entropies=entropies, beta=beta, arms=arms)
         )
         # the probability that pi_ref writes a completion through OTHER
-        through_other = [i for i, y in enumerate(tree.completions) if OTHER in y]
         off_task = max(off_task, tree.sequence_logps(theta)[through_other].exp().sum().item())
-        b_nodes = [
-            tree.node_id[s] for s in task_tree.task_nodes if s[:1] == (task_tree.mode_ids["B"],)
-        ]
         gap = (entropies - tree.node_entropies(theta))[b_nodes].abs().max().item()
         entropy_gap = max(entropy_gap, gap)
     names = per_phrasing[0]
@@ -344,16 +344,8 @@ def train_flags(args, prompt_len: int) -> list[str]:
     return [
         *["--steps", str(args.steps), "--prompts-per-step", "8", "--rollouts", "8"],
         *["--micro-batch-size", "64", "--no-gradient-checkpointing"],
-        *[
-            "--lr",
-            str(args.lr),
-            "--warmup-ratio",
-            "0.05",
-            "--lora-rank",
-            "16",
-            "--lora-alpha",
-            "32",
-        ],
+        *["--lr", str(args.lr), "--warmup-ratio", "0.05"],
+        *["--lora-rank", "16", "--lora-alpha", "32"],
         *["--max-prompt-len", str(prompt_len), "--max-seq-len", str(prompt_len + budget)],
         *["--advantage", "rloo", "--beta", str(args.beta)],
         *["--reward", "extras.two_mode:reward", "--problem-key", "problem"],
@@ -368,59 +360,49 @@ def make_start(seed_dir: str, seed: int, args) -> dict[str, str]:
     from the task) and the task's files; kept if made already."""
     import sage
     from extras import demo, sft
-    from machinery import runs
-    from machinery.data import tokenize_sft_examples
 
     task = TwoModeTask(k=args.k, m=args.m)
+    # the phrasings, each with the task in its answer field and B as the probe's prefix: both
+    # the training problems and the benchmark the evaluations probe
     files = {
         "model": os.path.join(seed_dir, "sft_model"),
-        "train": os.path.join(seed_dir, "train.jsonl"),
-        "probe": os.path.join(seed_dir, "probe.jsonl"),
+        "problems": os.path.join(seed_dir, "problems.jsonl"),
     }
     rows = [{"problem": p, "answer": task.answer, "mode": "B"} for p in PHRASINGS]
-    runs.write_jsonl_atomic(files["train"], rows)
-    runs.write_jsonl_atomic(files["probe"], rows)
+    write_jsonl_atomic(files["problems"], rows)
     if os.path.exists(os.path.join(files["model"], "config.json")):
         return files
     torch.manual_seed(seed)
     init_dir = demo.save_tiny_model(os.path.join(seed_dir, "init_model"), seed=seed)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(init_dir)
     examples = sft_examples(task, count=args.sft_examples, seed=seed + 1)
     pairs, _ = tokenize_sft_examples(tokenizer, examples, max_tokens=1024)
     settings = sft.SFTConfig(sft_epochs=args.sft_epochs, sft_lr=2e-3, sft_batch_size=16)
     sft.sft(model, pairs, tokenizer.pad_token_id, settings, sage.Config(seed=seed), progress=False)
-    runs.save_model_atomic(model, tokenizer, files["model"])
-    import shutil
-
+    save_model_atomic(model, tokenizer, files["model"])
     shutil.rmtree(init_dir, ignore_errors=True)
     return files
 
 
 def prompt_length(model_dir: str) -> int:
-    from transformers import AutoTokenizer
-
-    from machinery.task import build_prompt_ids
-
+    """The longest phrasing's prompt in tokens (the chat template and system prompt included)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return max(len(build_prompt_ids(tokenizer, p)) for p in PHRASINGS)
 
 
-def train_arm(seed_dir: str, seed: int, arm: str, files: dict, args) -> str:
-    """Train one arm from the seed's start (a finished arm is kept; a killed one starts again)."""
+def train_arm(seed_dir: str, seed: int, arm: str, files: dict, flags: list[str], args) -> str:
+    """Train one arm from the seed's start with the shared ``flags`` (``train_flags``) and its own
+    (a finished arm is kept; a killed one starts again)."""
     run_dir = os.path.join(seed_dir, arm)
     if os.path.exists(os.path.join(run_dir, "done")):
         return run_dir
     if os.path.exists(run_dir):
-        import shutil
-
         shutil.rmtree(run_dir)
     command = [
-        *["sage.py", "--model", files["model"], "--dataset", files["train"]],
-        *["--eval-benchmarks", files["probe"], "--out", seed_dir, "--name", arm],
-        *["--seed", str(seed), *train_flags(args, prompt_length(files["model"]))],
+        *["sage.py", "--model", files["model"], "--dataset", files["problems"]],
+        *["--eval-benchmarks", files["problems"], "--out", seed_dir, "--name", arm],
+        *["--seed", str(seed), *flags],
         *shlex.split(args.flags),
         *ARMS[arm]["flags"],
     ]
@@ -434,8 +416,6 @@ def trajectory(run_dir: str) -> list[dict]:
     """[{step, log_pi_b, log_pi_b_full, outside}] from the run's evaluations: the probe's mean over
     the phrasings of log pi(B | x) under the sampler's distribution (min-p; over the phrasings
     where B is kept) and pi_T's full softmax, and the share of phrasings where min-p cuts B."""
-    from machinery.runs import read_jsonl
-
     points = []
     for row in read_jsonl(os.path.join(run_dir, "eval.jsonl")):
         entry = row["support"]["all"]
@@ -452,8 +432,6 @@ def trajectory(run_dir: str) -> list[dict]:
 
 def run_seed(seed: int, args) -> dict:
     """One seed: its start, its prediction, every arm trained; {prediction, arms: trajectories}."""
-    from concurrent.futures import ThreadPoolExecutor
-
     seed_dir = os.path.join(args.out, f"seed-{seed}")
     os.makedirs(seed_dir, exist_ok=True)
     files = make_start(seed_dir, seed, args)
@@ -463,8 +441,6 @@ def run_seed(seed: int, args) -> dict:
         with open(prediction_file) as handle:
             known = json.load(handle)["log_pi_b"]
     if not all(arm in known for arm in args.arms):  # made for fewer arms, or not yet
-        from machinery.runs import write_json_atomic
-
         task = TwoModeTask(k=args.k, m=args.m)
         prediction = predict_start(files["model"], task, beta=args.beta, arms=tuple(args.arms))
         write_json_atomic(prediction_file, prediction)
@@ -473,10 +449,13 @@ def run_seed(seed: int, args) -> dict:
     result = {"prediction": prediction, "arms": {}}
     if args.predict_only:
         return result
+    flags = train_flags(args, prompt_len=prompt_length(files["model"]))
+
+    def train(arm: str) -> str:
+        return train_arm(seed_dir, seed, arm, files=files, flags=flags, args=args)
+
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        done = dict(
-            zip(args.arms, pool.map(lambda a: train_arm(seed_dir, seed, a, files, args), args.arms))
-        )
+        done = dict(zip(args.arms, pool.map(train, args.arms)))
     result["arms"] = {arm: trajectory(run_dir) for arm, run_dir in done.items()}
     return result
 
@@ -548,8 +527,6 @@ def summarize(per_seed: dict[int, dict], args, seconds: float) -> dict:
 def arms_wall_seconds(out: str) -> float | None:
     """From the first arm's start (its config.json) to the last arm's end (its ``done``), read
     off the files, so a study continued after a stop still reports when its arms ran."""
-    import glob
-
     starts = [
         os.path.getmtime(p) for p in glob.glob(os.path.join(out, "seed-*", "*", "config.json"))
     ]
@@ -696,8 +673,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     """The study: every seed's start, prediction and arms, then summary.json, the report and
     pi_b.png in --out (a killed study run again keeps the starts, predictions and finished arms)."""
-    from machinery.runs import write_json_atomic
-
     args = parse_args(argv)
     started = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
