@@ -200,12 +200,13 @@ def start_run(config: Config) -> tuple[str, float | None]:
     directory (None on the CPU); seed; no write. --plan-memory prints the plan and ends the
     program first."""
     config.model = hub.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
-    memory_plan.forecast_if_asked(config, step=planned_step())
+    step = planned_step()  # what the memory plan simulates
+    memory_plan.forecast_if_asked(config, step=step)
     model = os.path.basename(config.model.rstrip("/"))
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
     flag_checks.check_run_dir(run_dir, config)
     # On CUDA a run that cannot fit ends here; one that fits gets its forecast peak
-    forecast_gb = memory_plan.before_loading(config, step=planned_step())
+    forecast_gb = memory_plan.before_loading(config, step=step)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     return run_dir, forecast_gb

@@ -665,7 +665,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if not (args.beta > 0 and args.lr > 0):
         parser.error("--beta and --lr must be > 0")
-    TwoModeTask(k=args.k, m=args.m)  # K and M in range
+    try:
+        TwoModeTask(k=args.k, m=args.m)  # K and M in range
+    except ValueError as problem:
+        parser.error(f"--k {args.k} --m {args.m}: {problem}")
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     return args
 

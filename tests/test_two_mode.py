@@ -31,6 +31,21 @@ def test_the_sft_data_is_drawn_from_the_task():
     assert {e["problem"] for e in examples} == set(two_mode.PHRASINGS)
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--k", "9"], "K must be in [1, 6]"),
+        (["--arms", "k2"], "unknown --arms k2"),
+        (["--beta", "0"], "--beta and --lr must be > 0"),
+        (["--seeds", "0"], "--seeds must be >= 1"),
+    ],
+)
+def test_the_study_refuses_bad_settings_in_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        two_mode.parse_args(argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
 class IdealModel(torch.nn.Module):
     """Next-token logits of the task's own distribution after a one-token prompt: the mode (B
     with p_b), A's digits (0 with p_right), B's digits uniform over M, then EOS; nothing else."""
