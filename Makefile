@@ -14,7 +14,7 @@ export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export GOMP_SPINCOUNT ?= 100000  # OpenMP threads spin ~1 ms, then sleep (docs/history.md)
 
-.PHONY: install test test-fast demo compare toy bench clean
+.PHONY: install test test-fast test-gpu-sim demo compare toy bench clean
 
 install: $(STAMP)
 
@@ -47,6 +47,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# The fast tests as a GPU node's torch would answer them (tests/plugins/simulated_gpu.py): a test
+# that forces one half of a device branch and lets the other ask the real torch.cuda fails here.
+test-gpu-sim: $(STAMP)
+	PYTHONPATH=tests/plugins $(PY) -m pytest -q -p simulated_gpu -m "not slow"
 
 toy: $(STAMP)
 	$(PY) -m toy

@@ -165,7 +165,8 @@ def normalize_per_completion(
     tensor([[0.2500, 0.2500, 1.0000]])
     """
     mask = completion_mask.bool()
-    values = values.float().masked_fill(~mask, 0.0)
+    dtype = torch.promote_types(values.dtype, torch.float32)  # float32, or float64 for exact checks
+    values = values.to(dtype).masked_fill(~mask, 0.0)
     if method == "percentile":
         with_nan = values.masked_fill(~mask, float("nan"))
         low = torch.nanquantile(with_nan, 0.05, dim=-1, keepdim=True).nan_to_num(0.0)
@@ -180,8 +181,8 @@ def normalize_per_completion(
         ordered = padded.sort(dim=-1).values
         first = torch.searchsorted(ordered, padded, side="left")
         last = torch.searchsorted(ordered, padded, side="right") - 1
-        ranks = (first + last).float() / 2
-        count = mask.sum(dim=-1, keepdim=True).float()
+        ranks = (first + last).to(dtype) / 2
+        count = mask.sum(dim=-1, keepdim=True).to(dtype)
         w = torch.where(count > 1, ranks / (count - 1).clamp_min(1), torch.full_like(ranks, 0.5))
     elif method == "sigmoid":
         count = mask.sum(dim=-1, keepdim=True).clamp_min(1)
@@ -201,12 +202,18 @@ def normalize_per_completion(
 
 
 def random_guide(
-    shape, eps: float, sigma: float, generator: torch.Generator | None
+    shape,
+    eps: float,
+    sigma: float,
+    generator: torch.Generator | None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Eq. 9: q_t = 1 + sigma * xi_t with probability eps, else 1 (xi_t ~ N(0, 1))."""
+    """Eq. 9: q_t = 1 + sigma * xi_t with probability eps, else 1 (xi_t ~ N(0, 1)).
+
+    The draws are float32 whatever ``dtype`` (one random stream); q is computed in ``dtype``."""
     coin = torch.rand(shape, generator=generator) < eps
-    noise = torch.randn(shape, generator=generator)
-    return torch.where(coin, 1.0 + sigma * noise, torch.ones(shape))
+    noise = torch.randn(shape, generator=generator).to(dtype)
+    return torch.where(coin, 1.0 + sigma * noise, torch.ones(shape, dtype=dtype))
 
 
 def token_guide(
@@ -219,7 +226,7 @@ def token_guide(
 ) -> torch.Tensor:
     """Eq. 10: q_t = 1 + alpha * w_t + sigma * w_t * xi_t, w_t = normalized surprisal -log pi."""
     w = normalize_per_completion(-logps, completion_mask, normalization)
-    noise = torch.randn(w.shape, generator=generator).to(w.device)
+    noise = torch.randn(w.shape, generator=generator).to(device=w.device, dtype=w.dtype)
     return 1.0 + alpha * w + sigma * w * noise
 
 
@@ -229,7 +236,8 @@ def branch_guide(entropies: torch.Tensor, tau: float, ratio: float) -> torch.Ten
     >>> branch_guide(torch.tensor([0.5, 1.2, 2.2]), tau=1.2, ratio=0.3)
     tensor([1.0000, 1.0000, 1.3000])
     """
-    return 1.0 + ratio * (entropies.float() - tau).clamp_min(0.0)
+    dtype = torch.promote_types(entropies.dtype, torch.float32)  # float64 kept for exact checks
+    return 1.0 + ratio * (entropies.to(dtype) - tau).clamp_min(0.0)
 
 
 @torch.no_grad()
@@ -254,7 +262,8 @@ def compute_log_q(
         generator: CPU generator for the random draws (random and token guides).
 
     Returns:
-        log_q: [B, C] float32, detached, on the device of ``logps``.
+        log_q: [B, C] float32 (float64 if ``logps`` or ``entropies`` is float64, for exact
+        checks), detached, on the device of ``logps``.
     """
     if logps.shape != completion_mask.shape or entropies.shape != completion_mask.shape:
         raise ValueError(
@@ -262,15 +271,18 @@ def compute_log_q(
             f"entropies {tuple(entropies.shape)}, completion_mask {tuple(completion_mask.shape)}"
         )
     device = logps.device
+    # float32, or float64 for exact checks
+    dtype = torch.promote_types(torch.promote_types(logps.dtype, entropies.dtype), torch.float32)
     mask = completion_mask.bool()
     if config.name == "none":
-        return torch.zeros(mask.shape, dtype=torch.float32, device=device)
+        return torch.zeros(mask.shape, dtype=dtype, device=device)
     values = scheduled_values(config, step, total_steps)
     if config.name == "random":
-        q = random_guide(tuple(mask.shape), values["eps"], values["sigma"], generator).to(device)
+        q = random_guide(tuple(mask.shape), values["eps"], values["sigma"], generator, dtype)
+        q = q.to(device)
     elif config.name == "token":
         q = token_guide(
-            logps.detach().float().cpu(),
+            logps.detach().to(dtype).cpu(),
             mask.cpu(),
             values["alpha"],
             values["sigma"],
@@ -278,6 +290,6 @@ def compute_log_q(
             generator,
         ).to(device)
     else:  # branch
-        q = branch_guide(entropies.detach(), config.tau, config.ratio)
+        q = branch_guide(entropies.detach().to(dtype), config.tau, config.ratio)
     q = q.clamp(config.q_min, config.q_max)
-    return torch.where(mask, q.log(), torch.zeros_like(q)).float()
+    return torch.where(mask, q.log(), torch.zeros_like(q)).to(dtype)

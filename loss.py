@@ -32,7 +32,8 @@ AGGREGATIONS = ("grpo", "batch_token_mean", "dr_grpo", "dapo")
 def token_logps_and_entropies(
     logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, min_p: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log pi(y_t) and H_t (Eq. 12) of one distribution, from [..., V] logits, float32.
+    """log pi(y_t) and H_t (Eq. 12) of one distribution, from [..., V] logits, float32 (float64
+    for float64 logits, as in the exact checks).
 
     min_p = 0: pi_T = softmax(logits / T) over the full vocabulary (the default, TRL's).
     min_p > 0: the sampler's truncation of pi_T, the tokens with pi_T(v) >= min_p * max_v pi_T(v)
@@ -48,7 +49,7 @@ def token_logps_and_entropies(
     >>> round(logps.item(), 4), round(entropies.item(), 4)  # log(1/2), log 2
     (-0.6931, 0.6931)
     """
-    z = logits.float() / temperature  # [..., V]
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # [..., V]
     if min_p > 0.0:
         full_log_probs = z.log_softmax(dim=-1)
         kept = full_log_probs >= math.log(min_p) + full_log_probs.amax(dim=-1, keepdim=True)

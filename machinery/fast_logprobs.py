@@ -46,11 +46,18 @@ def default_chunk_rows(vocab: int, device: torch.device) -> int:
     return max(1, budget // (4 * vocab))
 
 
+def work_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The kernel works in float32 (bf16 / fp16 logits are upcast); float64 logits stay float64,
+    so a test can check an identity with float64's error bound instead of float32's."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
 def _scaled_rows(
     logits_rows: torch.Tensor, temperature: float, buffer: torch.Tensor
 ) -> torch.Tensor:
-    """float32 z = logits / T for a chunk of rows: a view if no copy is needed, else ``buffer``."""
-    if logits_rows.dtype == torch.float32 and temperature == 1.0:
+    """z = logits / T in ``buffer``'s dtype for a chunk of rows: a view if no copy is needed,
+    else ``buffer``."""
+    if logits_rows.dtype == buffer.dtype and temperature == 1.0:
         return logits_rows
     z = buffer[: logits_rows.shape[0]]
     z.copy_(logits_rows)
@@ -73,7 +80,7 @@ class _TokenLogProbs(torch.autograd.Function):
     def forward(ctx, logits, token_ids, temperature, min_p, chunk_rows, inplace_backward):
         # logits: [N, V]; token_ids: [N]
         num_rows, vocab = logits.shape
-        options = dict(dtype=torch.float32, device=logits.device)
+        options = dict(dtype=work_dtype(logits), device=logits.device)
         logps = torch.empty(num_rows, **options)
         entropies = torch.empty(num_rows, **options)
         kept_logsumexp = torch.empty(num_rows, **options)
@@ -117,12 +124,12 @@ class _TokenLogProbs(torch.autograd.Function):
         # so the backward adds no [N, V] tensor. Autograd's version counter still protects any
         # other node that saved these logits: it would raise instead of reading the gradient.
         grad_logits = logits if ctx.inplace_backward else torch.empty_like(logits)
-        grad_logps = grad_logps.float()
+        options = dict(dtype=work_dtype(logits), device=logits.device)
+        grad_logps = grad_logps.to(options["dtype"])
         rows_per_chunk = min(ctx.chunk_rows, num_rows)
-        options = dict(dtype=torch.float32, device=logits.device)
         z_buffer = torch.empty(rows_per_chunk, vocab, **options)
         work_buffer = None
-        if logits.dtype != torch.float32:
+        if logits.dtype != options["dtype"]:
             work_buffer = torch.empty(rows_per_chunk, vocab, **options)
         for start in range(0, num_rows, ctx.chunk_rows):
             rows = slice(start, start + ctx.chunk_rows)
@@ -163,7 +170,7 @@ def _checked_entropies(
         return entropies
     entropies = entropies.clone()
     for index in bad.nonzero().squeeze(-1).split(chunk_rows):
-        z = logits.detach()[index].float() / temperature  # [n, V]
+        z = logits.detach()[index].to(work_dtype(logits)) / temperature  # [n, V]
         if not torch.isfinite(torch.logsumexp(z, dim=-1)).all():
             raise ValueError(
                 "logits have NaN or inf (or are all -inf) in some rows: a diverged model or an "
@@ -205,10 +212,10 @@ def chunked_token_logps_and_entropies(
             copied once by the reshape (slice the hidden states, not the logits, to avoid it).
 
     Returns:
-        logps: [...] float32, differentiable w.r.t. ``logits``.
-        entropies: [...] float32, H_t (Eq. 12) of the same distribution (the full softmax(logits
-            / T), or its min-p truncation), no gradient. -inf logits (a masked vocabulary) are
-            allowed.
+        logps: [...] float32 (float64 for float64 logits), differentiable w.r.t. ``logits``.
+        entropies: [...] the same dtype, H_t (Eq. 12) of the same distribution (the full
+            softmax(logits / T), or its min-p truncation), no gradient. -inf logits (a masked
+            vocabulary) are allowed.
 
     Raises:
         ValueError: on mismatched shapes, or logits with NaN / +inf (or a row all -inf).

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+import bounds
 import evaluate
 from extras import analysis, demo
 
@@ -79,26 +80,50 @@ def test_patterns_and_plot_subcommands_on_saved_results(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_perplexity_equals_a_per_sample_log_softmax_loop():
+def test_perplexity_equals_a_per_sample_log_softmax_loop(float64_qwen2):
     import torch
 
     tokenizer = demo.build_tiny_tokenizer()
-    model = demo.build_tiny_model(tokenizer, seed=3).eval()
+    # float64 (the fixture makes it float64 throughout): a float32 bound (n ~ 3000) catches nothing
+    model = demo.build_tiny_model(tokenizer, seed=3).double().eval()
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(3, 9))] for _ in range(5)]
     completions = [[rng.randrange(256) for _ in range(rng.randint(1, 7))] for _ in range(5)]
     got = analysis.completion_perplexities(
         model, prompts, completions, batch_size=2, progress=False
     )
-    for prompt, completion, value in zip(prompts, completions, got):
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + completion])).logits[0].double()
-        logps = logits.log_softmax(-1)[len(prompt) - 1 : -1].gather(
-            -1, torch.tensor(completion)[:, None]
+    # One log-prob, padded batch against one unpadded sequence: bounds.difference_bound with
+    # n = bounds.forward_length over the longest pair, terms up to the largest activation.
+    longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    count = max(len(c) for c in completions)  # the mean's sum runs over the padded completion
+    with torch.no_grad():
+        outputs = [
+            model(torch.tensor([p + c]), output_hidden_states=True)
+            for p, c in zip(prompts, completions)
+        ]
+    magnitude = max(bounds.activation_magnitude(output) for output in outputs)
+    n = bounds.forward_length(model.config, tokens=longest)
+    per_token = bounds.difference_bound(n=n, magnitude=magnitude, dtype=torch.float64)
+    u = bounds.unit_roundoff(torch.float64)
+    for prompt, completion, value, output in zip(prompts, completions, got, outputs):
+        logps = (
+            output.logits[0]
+            .log_softmax(-1)[len(prompt) - 1 : -1]
+            .gather(-1, torch.tensor(completion)[:, None])
         )
-        assert value == pytest.approx(math.exp(-logps.mean().item()), rel=1e-5)
+        # the mean: per_token, its sum in another order (n = count) and a division each side;
+        # exp(-mean) then errs by expm1(that) relatively, plus exp's rounding on each side
+        largest = logps.abs().max().item()
+        mean_error = (
+            per_token
+            + bounds.difference_bound(count, largest, torch.float64) / len(completion)
+            + 2 * u * largest
+        )
+        rel = math.expm1(mean_error) + bounds.gamma(2, torch.float64)
+        assert value == pytest.approx(math.exp(-logps.mean().item()), rel=rel, abs=0)
 
 
+@pytest.mark.cuda_kernels
 def test_perplexity_subcommand_scores_saved_completions_under_the_base_model(
     tmp_path, tiny_model_dir
 ):
@@ -151,6 +176,8 @@ def test_perplexity_subcommand_scores_saved_completions_under_the_base_model(
         expected = analysis.completion_perplexities(
             model, [row["prompt_ids"]] * 2, correct, progress=False
         )
+        # Not a rounding bound: on a CUDA node the CLI scores on the GPU (other kernels, TF32)
+        # and the reference on the CPU; on the CPU the two are one computation.
         assert values["b:1"][label] == pytest.approx(expected, rel=1e-5)
 
 
@@ -175,6 +202,8 @@ def test_pass_at_k_plots_show_k_and_the_standard_errors_as_error_bars(monkeypatc
     half_heights = [
         abs(segment[1][1] - segment[0][1]) / 2 for segment in bars.lines[2][0].get_segments()
     ]
+    # Closed form in Python floats (matplotlib's (y + e) - (y - e), halved): approx's default
+    # (rel 1e-6) covers those few roundings (~1e-15) and no plotting mistake; not a bound.
     assert half_heights == pytest.approx([0.01, 0.02, 0.04, 0.08])
 
 

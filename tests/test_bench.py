@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,9 +36,9 @@ def bench_script(name: str):
 def test_gpu_step_prints_its_keys_at_the_small_shape():
     result = last_json_line("gpu_step.py", "--small", "--repeats", "1")
     assert {"peak_memory_gb", "step_s", "tokens_per_s", "mfu", "device"} <= result.keys()
-    on_cuda = torch.cuda.is_available()
-    assert (result["device"] == "cpu") != on_cuda and result["shape"] == "small"
-    assert on_cuda or result["mfu"] is None  # MFU is a GPU figure (its peak FLOP/s)
+    # the subprocess picks its own device: its answer, not this process's torch.cuda, says which
+    assert result["device"] in ("cpu", "cuda") and result["shape"] == "small"
+    assert (result["mfu"] is None) == (result["device"] == "cpu")  # MFU: a GPU figure
     assert result["step_s"] > 0 and result["peak_memory_gb"] > 0
 
 

@@ -91,7 +91,10 @@ def test_probe_measures_are_summarized_and_paired_with_grpo_and_with_the_sft_sta
     assert partial["minus_grpo"]["hard/mean_logp_full"]["seeds"] == 1
 
 
-def test_arms_are_chosen_and_added_by_flag():
+def test_arms_are_chosen_and_added_by_flag(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the --jobs check: below
     _, arms = compare.parse_args(
         ["--arms", "grpo,branch_k3", "--arm", "mine=--guide token --tau 1"]
     )

@@ -50,7 +50,8 @@ def test_sage_evaluate_and_the_plan_load_the_short_name_as_org_name(
     offline, tmp_path, monkeypatch, capsys
 ):
     """Offline: `--model Qwen2.5-Math-7B` reaches sage.py's loader as Qwen/Qwen2.5-Math-7B, said
-    once; evaluate.py's --model and the memory plan's config.json read resolve it the same way."""
+    once (on CUDA the memory plan's config.json read comes first, with the same name);
+    evaluate.py's --model and the memory plan resolve it the same way."""
 
     class Loaded(Exception):
         pass
@@ -58,12 +59,20 @@ def test_sage_evaluate_and_the_plan_load_the_short_name_as_org_name(
     def load_policy(config, base_path):
         raise Loaded(base_path)
 
+    def read_model_config(name):  # on CUDA, what the plan reads before the model loads
+        raise Loaded(name)
+
+    read_the_config = memory_plan.read_model_config  # the real one, for the last check
     monkeypatch.setattr(sage, "load_policy", load_policy)
-    with pytest.raises(Loaded) as loaded:
-        sage.main(["--model", "Qwen2.5-Math-7B", "--out", str(tmp_path / "runs")])
-    assert str(loaded.value) == "Qwen/Qwen2.5-Math-7B"
-    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[model]")]
-    assert said == ["[model] Qwen2.5-Math-7B is Qwen/Qwen2.5-Math-7B on the hub"]
+    monkeypatch.setattr(memory_plan, "read_model_config", read_model_config)
+    monkeypatch.setattr(memory_plan, "card_of", lambda config: 80 * 10**9)  # on CUDA: an 80 GB card
+    for device in ("cpu", "cuda"):  # the plan runs on CUDA only: both halves, forced
+        monkeypatch.setattr(memory_plan, "plan_device", lambda device=device: device)
+        with pytest.raises(Loaded) as loaded:
+            sage.main(["--model", "Qwen2.5-Math-7B", "--out", str(tmp_path / "runs")])
+        assert str(loaded.value) == "Qwen/Qwen2.5-Math-7B"
+        said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[model]")]
+        assert said == ["[model] Qwen2.5-Math-7B is Qwen/Qwen2.5-Math-7B on the hub"]
 
     evaluated = []
     monkeypatch.setattr(evaluate, "evaluate_and_report", evaluated.append)
@@ -71,7 +80,7 @@ def test_sage_evaluate_and_the_plan_load_the_short_name_as_org_name(
     assert evaluated[0].model == "Qwen/Qwen2.5-Math-7B"
 
     with pytest.raises(SystemExit, match="cannot load model 'Qwen/Qwen2.5-Math-7B'"):
-        memory_plan.read_model_config("Qwen2.5-Math-7B")  # not cached here: the loader's line
+        read_the_config("Qwen2.5-Math-7B")  # not cached here: the loader's line
 
 
 def test_a_bare_name_that_names_nothing_is_one_line_naming_org_name(offline, tmp_path, capsys):

@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+import bounds
 import loss
 from machinery import batches, fast_logprobs, loss_metrics
 from machinery.fast_logprobs import chunked_token_logps_and_entropies
@@ -44,8 +45,9 @@ def naive_logps_and_entropies(logits, token_ids, temperature=1.0, min_p=0.0):
 
 
 def sample_truncated(logits, temperature, min_p, generator):
-    """Tokens drawn as the sampler draws them: softmax(z / T), min-p filter, renormalize."""
-    probs = (logits.float() / temperature).softmax(-1)
+    """Tokens drawn as the sampler draws them: softmax(z / T), min-p filter, renormalize (in
+    float32, or float64 for float64 logits)."""
+    probs = (logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature).softmax(-1)
     keep = probs >= min_p * probs.amax(-1, keepdim=True)
     truncated = probs * keep
     truncated = truncated / truncated.sum(-1, keepdim=True)
@@ -59,18 +61,32 @@ def random_logits(*shape, scale=3.0, seed=0, dtype=torch.float32):
     return (scale * torch.randn(*shape, generator=generator, dtype=torch.float64)).to(dtype)
 
 
+def kernel_bounds(logits, temperature, dtype, upstream=None):
+    """Tolerances (values, logit gradients) for two computations of log softmax(logits / T) in
+    ``dtype``: bounds.log_softmax_bound, n = vocab + 8; a gradient entry is
+    upstream * (1[v = y] - p_v) / T."""
+    finite = logits.detach().double()
+    max_abs_z = finite[finite.isfinite()].abs().max().item() / temperature
+    values = bounds.log_softmax_bound(vocab=logits.shape[-1], max_abs_logit=max_abs_z, dtype=dtype)
+    scale = 1.0 if upstream is None else upstream.abs().max().item()
+    return values, values * scale / temperature
+
+
 @pytest.mark.parametrize("shape", [(12, 50), (2, 6, 50)], ids=["2d", "3d"])
 @pytest.mark.parametrize("chunk_rows", [None, 1, 4, 5], ids=lambda c: f"chunk{c}")
 @pytest.mark.parametrize("temperature,min_p", [(1.0, 0.0), (0.7, 0.0), (1.0, 0.05), (1.3, 0.1)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 def test_logps_entropies_and_gradients_match_float64_reference(
-    shape, chunk_rows, temperature, min_p
+    shape, chunk_rows, temperature, min_p, dtype
 ):
+    """float64 logits: the kernel's algorithm, to float64's bound (far below any mistake);
+    float32 logits: the trainer's dtype, to float32's (looser) bound."""
     # 12 rows: chunks of 4 divide them, chunks of 5 do not (a short last chunk).
-    logits = random_logits(*shape).requires_grad_(True)
+    logits = random_logits(*shape, dtype=dtype).requires_grad_(True)
     token_ids, _ = sample_truncated(
         logits.detach(), temperature, max(min_p, 1e-9), torch.Generator().manual_seed(1)
     )
-    upstream = torch.randn(shape[:-1], generator=torch.Generator().manual_seed(2))
+    upstream = torch.randn(shape[:-1], generator=torch.Generator().manual_seed(2)).to(dtype)
 
     reference_logits = logits.detach().double().requires_grad_(True)
     ref_logps, ref_entropies = naive_logps_and_entropies(
@@ -84,15 +100,18 @@ def test_logps_entropies_and_gradients_match_float64_reference(
     (logps * upstream).sum().backward()
 
     assert logps.shape == entropies.shape == token_ids.shape
-    assert logps.dtype == entropies.dtype == torch.float32
-    torch.testing.assert_close(logps.double(), ref_logps.detach(), rtol=0, atol=2e-5)
-    torch.testing.assert_close(entropies.double(), ref_entropies.detach(), rtol=0, atol=2e-5)
-    torch.testing.assert_close(logits.grad.double(), reference_logits.grad, rtol=0, atol=2e-6)
+    assert logps.dtype == entropies.dtype == dtype
+    # n = vocab + 8 (one log-softmax per row), in the kernel's dtype
+    values, gradients = kernel_bounds(logits, temperature, dtype, upstream)
+    torch.testing.assert_close(logps.double(), ref_logps.detach(), rtol=0, atol=values)
+    torch.testing.assert_close(entropies.double(), ref_entropies.detach(), rtol=0, atol=values)
+    torch.testing.assert_close(logits.grad.double(), reference_logits.grad, rtol=0, atol=gradients)
 
 
 @pytest.mark.parametrize("temperature,min_p", [(1.0, 0.0), (0.7, 0.05)])
-def test_the_definition_matches_the_float64_reference(temperature, min_p):
-    logits = random_logits(2, 6, 50).requires_grad_(True)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_the_definition_matches_the_float64_reference(temperature, min_p, dtype):
+    logits = random_logits(2, 6, 50, dtype=dtype).requires_grad_(True)
     token_ids, _ = sample_truncated(
         logits.detach(), temperature, max(min_p, 1e-9), torch.Generator().manual_seed(1)
     )
@@ -103,12 +122,16 @@ def test_the_definition_matches_the_float64_reference(temperature, min_p):
     ref_logps.sum().backward()
     logps, entropies = loss.token_logps_and_entropies(logits, token_ids, temperature, min_p)
     logps.sum().backward()
-    torch.testing.assert_close(logps.double(), ref_logps.detach(), rtol=0, atol=2e-5)
-    torch.testing.assert_close(entropies.double(), ref_entropies.detach(), rtol=0, atol=2e-5)
-    torch.testing.assert_close(logits.grad.double(), reference_logits.grad, rtol=0, atol=2e-6)
+    assert logps.dtype == entropies.dtype == dtype
+    values, gradients = kernel_bounds(logits, temperature, dtype)  # n = vocab + 8, upstream 1
+    torch.testing.assert_close(logps.double(), ref_logps.detach(), rtol=0, atol=values)
+    torch.testing.assert_close(entropies.double(), ref_entropies.detach(), rtol=0, atol=values)
+    torch.testing.assert_close(logits.grad.double(), reference_logits.grad, rtol=0, atol=gradients)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["float64", "float32", "bf16"]
+)
 @pytest.mark.parametrize("temperature,min_p", [(1.0, 0.0), (0.7, 0.05)])
 def test_the_chunked_kernel_equals_the_definition(temperature, min_p, dtype):
     """loss.token_logps_and_entropies and machinery/fast_logprobs.py's chunked kernel: the same
@@ -127,14 +150,20 @@ def test_the_chunked_kernel_equals_the_definition(temperature, min_p, dtype):
         logits, token_ids, temperature, min_p, chunk_rows=4
     )
     (logps * upstream).sum().backward()
-    torch.testing.assert_close(logps, plain_logps, rtol=0, atol=1e-5)
-    torch.testing.assert_close(entropies, plain_entropies, rtol=0, atol=1e-5)
+    # n = vocab + 8, in the arithmetic's dtype (float32 for bf16 logits)
+    work = torch.promote_types(dtype, torch.float32)
+    values, gradients = kernel_bounds(logits, temperature, work, upstream)
+    torch.testing.assert_close(logps, plain_logps, rtol=0, atol=values)
+    torch.testing.assert_close(entropies, plain_entropies, rtol=0, atol=values)
     assert logits.grad.dtype == plain_logits.grad.dtype == dtype
-    if dtype == torch.float32:
-        torch.testing.assert_close(logits.grad, plain_logits.grad, rtol=0, atol=1e-6)
-    else:  # float32 arithmetic on both sides; the last bf16 bit may round either way
+    if dtype != torch.bfloat16:
+        torch.testing.assert_close(logits.grad, plain_logits.grad, rtol=0, atol=gradients)
+    else:  # float32 arithmetic on both sides, then each rounds once to bf16 (u each)
         torch.testing.assert_close(
-            logits.grad.float(), plain_logits.grad.float(), rtol=1e-2, atol=1e-4
+            logits.grad.float(),
+            plain_logits.grad.float(),
+            rtol=bounds.gamma(2, torch.bfloat16),
+            atol=gradients,
         )
 
 
@@ -156,20 +185,28 @@ def test_bf16_logits_give_float32_results_and_bf16_gradients(min_p):
     )
     (logps * upstream).sum().backward()
 
-    # The arithmetic is float32 on the exact bf16 values: float32 accuracy, not bf16's.
+    # The arithmetic is float32 on the exact bf16 values: float32 accuracy (n = vocab + 8), not
+    # bf16's.
     assert logps.dtype == entropies.dtype == torch.float32
-    torch.testing.assert_close(logps.double(), ref_logps.detach(), rtol=0, atol=2e-5)
-    torch.testing.assert_close(entropies.double(), ref_entropies.detach(), rtol=0, atol=2e-5)
+    values, gradients = kernel_bounds(logits, 0.9, torch.float32, upstream)
+    torch.testing.assert_close(logps.double(), ref_logps.detach(), rtol=0, atol=values)
+    torch.testing.assert_close(entropies.double(), ref_entropies.detach(), rtol=0, atol=values)
     # The gradient comes back in the logits' dtype, rounded once (bf16 has 8 bits of mantissa).
     assert logits.grad.dtype == torch.bfloat16
-    torch.testing.assert_close(logits.grad.double(), reference_logits.grad, rtol=1e-2, atol=1e-4)
+    torch.testing.assert_close(
+        logits.grad.double(),
+        reference_logits.grad,
+        rtol=bounds.gamma(1, torch.bfloat16),
+        atol=gradients,
+    )
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("path", LOGPROB_PATHS)
-def test_min_p_replay_makes_the_on_policy_ratio_exactly_one(path):
+def test_min_p_replay_makes_the_on_policy_ratio_exactly_one(path, dtype):
     token_logps_and_entropies = LOGPROB_PATHS[path]
     temperature, min_p = 0.8, 0.1
-    logits = random_logits(4, 16, 128)
+    logits = random_logits(4, 16, 128, dtype=dtype)
     token_ids, truncated = sample_truncated(
         logits, temperature, min_p, torch.Generator().manual_seed(5)
     )
@@ -184,8 +221,10 @@ def test_min_p_replay_makes_the_on_policy_ratio_exactly_one(path):
 
     assert torch.isfinite(new_logps).all()  # every sampled token survives the replayed mask
     assert torch.equal(ratio, torch.ones_like(ratio))
-    # They are the log-probs of the distribution the tokens were drawn from ...
-    torch.testing.assert_close(new_logps.detach(), behaviour_logps, rtol=0, atol=1e-5)
+    # They are the log-probs of the distribution the tokens were drawn from (the sampler's
+    # softmax, sum and log: n = vocab + 8) ...
+    values, _ = kernel_bounds(logits, temperature, dtype)
+    torch.testing.assert_close(new_logps.detach(), behaviour_logps, rtol=0, atol=values)
     # ... and not those of the untruncated softmax that TRL uses (ratio = kept mass < 1).
     full_logps, _ = token_logps_and_entropies(logits, token_ids, temperature, 0.0)
     kept_mass = torch.exp(full_logps - new_logps.detach())
@@ -201,14 +240,16 @@ def test_min_p_keeps_the_sampled_token_at_the_threshold(path):
     """
     min_p = 0.1
     # pi(v) / max pi = exp(z_v - 0): token 1 sits a hair below min_p, token 2 well above it.
-    logits = torch.tensor([[0.0, math.log(min_p) - 1e-4, -1.0, -9.0]])
+    # float64, so that the bound stays far below the mass of the dropped token (exp(-9)).
+    logits = torch.tensor([[0.0, math.log(min_p) - 1e-4, -1.0, -9.0]], dtype=torch.float64)
     token_ids = torch.tensor([1])
     logits.requires_grad_(True)
     logps, _ = LOGPROB_PATHS[path](logits, token_ids, 1.0, min_p)
     logps.sum().backward()
-    kept = torch.tensor([0.0, math.log(min_p) - 1e-4, -1.0]).double()
+    kept = torch.tensor([0.0, math.log(min_p) - 1e-4, -1.0], dtype=torch.float64)
     assert torch.isfinite(logps).all() and torch.isfinite(logits.grad).all()
-    assert logps.item() == pytest.approx((kept.log_softmax(-1)[1]).item(), abs=1e-6)
+    values, _ = kernel_bounds(logits, 1.0, torch.float64)  # n = vocab + 8
+    assert logps.item() == pytest.approx((kept.log_softmax(-1)[1]).item(), abs=values)
     assert logits.grad[0, 3].item() == 0.0  # the token min-p really dropped gets no gradient
 
 
@@ -216,13 +257,14 @@ def test_min_p_keeps_the_sampled_token_at_the_threshold(path):
 def test_entropies_closed_forms_and_no_gradient(path):
     token_logps_and_entropies = LOGPROB_PATHS[path]
     vocab = 8
-    logits = torch.zeros(2, vocab)
+    logits = torch.zeros(2, vocab, dtype=torch.float64)  # float64: its bound, n = vocab + 8
     logits[1] = float("-inf")  # a one-hot distribution, written with -inf logits (masked vocab)
     logits[1, 3] = 5.0
     logits.requires_grad_(True)
     logps, entropies = token_logps_and_entropies(logits, torch.tensor([0, 3]), temperature=0.5)
-    assert entropies.tolist() == pytest.approx([math.log(vocab), 0.0], abs=1e-6)
-    assert logps.tolist() == pytest.approx([-math.log(vocab), 0.0], abs=1e-6)
+    values, _ = kernel_bounds(logits, 0.5, torch.float64)
+    assert entropies.tolist() == pytest.approx([math.log(vocab), 0.0], abs=values)
+    assert logps.tolist() == pytest.approx([-math.log(vocab), 0.0], abs=values)
     # Eq. 12's H_t is a detached signal: it carries no gradient even from logits that do.
     assert logps.requires_grad and not entropies.requires_grad
     assert entropies.grad_fn is None
@@ -230,10 +272,12 @@ def test_entropies_closed_forms_and_no_gradient(path):
     # Temperature: H of softmax(z / T) for two logits (0, 1) at T = 2 is the binary entropy of
     # p = sigmoid(1/2).
     p = 1.0 / (1.0 + math.exp(-0.5))
-    _, entropy = token_logps_and_entropies(
-        torch.tensor([[1.0, 0.0]]), torch.tensor([0]), temperature=2.0
+    two_logits = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    _, entropy = token_logps_and_entropies(two_logits, torch.tensor([0]), temperature=2.0)
+    values, _ = kernel_bounds(two_logits, 2.0, torch.float64)  # n = 2 + 8
+    assert entropy.item() == pytest.approx(
+        -(p * math.log(p) + (1 - p) * math.log(1 - p)), abs=values
     )
-    assert entropy.item() == pytest.approx(-(p * math.log(p) + (1 - p) * math.log(1 - p)), abs=1e-6)
 
 
 class LargeAllocations(TorchDispatchMode):
@@ -310,7 +354,8 @@ def test_completion_slice_of_float32_logits_is_not_copied():
         )
     assert seen.allocations == []
     ref_logps, _ = naive_logps_and_entropies(completion_logits, token_ids)
-    torch.testing.assert_close(logps.double(), ref_logps, rtol=0, atol=2e-5)
+    values, _ = kernel_bounds(completion_logits, 1.0, torch.float32)  # n = vocab + 8: loose
+    torch.testing.assert_close(logps.double(), ref_logps, rtol=0, atol=values)
 
 
 def test_bad_logits_raise_clear_errors():
@@ -895,8 +940,9 @@ def test_policy_loss_bad_inputs_raise_clear_errors():
 # ---- batches and log-probs of a model (collate, completion_logps) ----
 
 
-def test_left_padding_does_not_change_log_probs(tiny):
-    model, tokenizer = tiny
+def test_left_padding_does_not_change_log_probs(tiny, float64_qwen2):
+    # float64: float32's bound over a forward pass would hide a real mistake
+    model, tokenizer = copy.deepcopy(tiny[0]).double(), tiny[1]
     prompt = tokenizer("What is 3 + 4?")["input_ids"]
     completion = tokenizer("<start_working_out>3+4=7")["input_ids"]
     alone = batches.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
@@ -909,13 +955,14 @@ def test_left_padding_does_not_change_log_probs(tiny):
     with torch.no_grad():
         logps_alone, entropies_alone = loss.completion_logps(model, alone, 1.0, 0.0)
         logps_padded, entropies_padded = loss.completion_logps(model, padded, 1.0, 0.0)
-    torch.testing.assert_close(logps_padded[1], logps_alone[0], atol=1e-5, rtol=0)
-    torch.testing.assert_close(entropies_padded[1], entropies_alone[0], atol=1e-5, rtol=0)
+    tolerance = bounds.model_bound(model, padded)
+    torch.testing.assert_close(logps_padded[1], logps_alone[0], atol=tolerance, rtol=0)
+    torch.testing.assert_close(entropies_padded[1], entropies_alone[0], atol=tolerance, rtol=0)
     assert padded["completion_mask"][0].tolist() == [1.0] * 3 + [0.0] * (len(completion) - 3)
 
 
-def test_completion_logps_match_a_full_forward(tiny):
-    model, tokenizer = tiny
+def test_completion_logps_match_a_full_forward(tiny, float64_qwen2):
+    model, tokenizer = copy.deepcopy(tiny[0]).double(), tiny[1]  # float64, as above
     prompt, completion = tokenizer("Add 2 and 5.")["input_ids"], tokenizer("2+5=7")["input_ids"]
     batch = batches.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
     with torch.no_grad():
@@ -927,20 +974,23 @@ def test_completion_logps_match_a_full_forward(tiny):
             .log_softmax(-1)
             .gather(-1, torch.tensor(completion)[:, None])
         )
-    torch.testing.assert_close(logps[0], expected[:, 0], atol=1e-5, rtol=0)
+    tolerance = bounds.model_bound(model, batch)
+    torch.testing.assert_close(logps[0], expected[:, 0], atol=tolerance, rtol=0)
 
 
-def perturbed_lora(tiny):
-    """The tiny model with LoRA adapters whose B is random (the adapters change the output), in
-    train mode."""
+def perturbed_lora(tiny, dtype=torch.float64):
+    """The tiny model in ``dtype`` with LoRA adapters whose A and B are seeded and B non-zero (the
+    adapters change the output), in train mode: the same weights whatever ran before."""
     from machinery import models
 
-    model = models.wrap_lora(copy.deepcopy(tiny[0]), rank=4, alpha=8)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # peft draws A from the global RNG
+        model = models.wrap_lora(copy.deepcopy(tiny[0]), rank=4, alpha=8)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(generator=torch.Generator().manual_seed(len(name)))
-    return model.train()
+    return model.to(dtype).train()
 
 
 def logps_entropies_and_gradients(model, batch: dict, fast: bool = True):
@@ -953,9 +1003,18 @@ def logps_entropies_and_gradients(model, batch: dict, fast: bool = True):
     return logps.detach(), entropies, gradients
 
 
-def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(tiny):
+def assert_equal_up_to_rounding(got: list, expected: list, model, batch: dict) -> None:
+    for got_tensor, expected_tensor in zip(got, expected):
+        magnitude = expected_tensor.abs().max().item()
+        tolerance = bounds.model_bound(model, batch, magnitude=magnitude, gradient=True)
+        torch.testing.assert_close(got_tensor, expected_tensor, atol=tolerance, rtol=0)
+
+
+def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(tiny, float64_qwen2):
     """G completions of one prompt: running the prompt once and repeating its cache must change
-    nothing but the cost (log-probs, entropies and the gradient through the prompt positions)."""
+    nothing but the cost (log-probs, entropies and the gradient through the prompt positions).
+    In float64, so that the two summation orders differ by float64's rounding bound, far below
+    any mistake, on every CPU."""
     import random
 
     model = perturbed_lora(tiny)
@@ -974,10 +1033,14 @@ def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(ti
         results.append(logps_entropies_and_gradients(model, batch))
     mask = batch["completion_mask"].bool()
     (plain_logps, plain_entropies, plain_grads), (logps, entropies, grads) = results
-    torch.testing.assert_close(logps[mask], plain_logps[mask], atol=1e-5, rtol=0)
-    torch.testing.assert_close(entropies[mask], plain_entropies[mask], atol=1e-5, rtol=0)
-    for got, expected in zip(grads, plain_grads):
-        torch.testing.assert_close(got, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+    assert logps.dtype == torch.float64
+    assert_equal_up_to_rounding(
+        [logps[mask], entropies[mask], *grads],
+        [plain_logps[mask], plain_entropies[mask], *plain_grads],
+        model=model,
+        batch=batch,
+    )
+    assert max(g.abs().max() for g in grads) > 0
     assert (
         batches.collate(prompts[1:] + prompts[:1], completions, 0, "cpu", group_size=4)[
             "group_size"
@@ -987,9 +1050,12 @@ def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(ti
 
 
 @pytest.mark.parametrize("group_size", [1, 4])
-def test_the_fast_path_and_the_definition_give_the_same_logps_and_gradients(tiny, group_size):
+def test_the_fast_path_and_the_definition_give_the_same_logps_and_gradients(
+    tiny, group_size, float64_qwen2
+):
     """loss.completion_logps has two paths, one switch (--no-fast-logprobs): the chunked kernel
-    (with a group's shared prompt run once) and token_logps_and_entropies on the plain logits."""
+    (with a group's shared prompt run once) and token_logps_and_entropies on the plain logits.
+    In float64, held to float64's rounding bound."""
     model = perturbed_lora(tiny)
     prompts = [[11, 12, 13, 14, 15]] * 4 + [[21, 22, 23]] * 4
     completions = [[30 + i, 40 + i, 50 + i][: 1 + i % 3] for i in range(8)]
@@ -998,12 +1064,13 @@ def test_the_fast_path_and_the_definition_give_the_same_logps_and_gradients(tiny
     results = [logps_entropies_and_gradients(model, batch, fast=fast) for fast in (True, False)]
     mask = batch["completion_mask"].bool()
     (fast_logps, fast_entropies, fast_grads), (logps, entropies, grads) = results
-    torch.testing.assert_close(fast_logps[mask], logps[mask], atol=1e-5, rtol=0)
-    torch.testing.assert_close(fast_entropies[mask], entropies[mask], atol=1e-5, rtol=0)
-    for got, expected in zip(fast_grads, grads):
-        # float32 sums in another order (a chunked backward, a shared prompt): a few 1e-5 of the
-        # largest entry apart, depending on the CPU's kernels and thread count
-        torch.testing.assert_close(got, expected, atol=2e-4 * expected.abs().max().item(), rtol=0)
+    assert fast_logps.dtype == logps.dtype == torch.float64
+    assert_equal_up_to_rounding(
+        [fast_logps[mask], fast_entropies[mask], *fast_grads],
+        [logps[mask], entropies[mask], *grads],
+        model=model,
+        batch=batch,
+    )
     assert max(g.abs().max() for g in grads) > 0
 
 

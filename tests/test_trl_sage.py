@@ -23,6 +23,7 @@ trl = pytest.importorskip("trl")
 
 import torch  # noqa: E402
 
+import bounds  # noqa: E402
 import guides  # noqa: E402
 import loss  # noqa: E402
 from machinery import task  # noqa: E402
@@ -198,6 +199,8 @@ def loss_and_grads(trainer, compute):
     return value.detach(), torch.autograd.grad(value, params)
 
 
+# Not a rounding bound: TRL's loss and sage.py's are two implementations (their own masking,
+# normalisation and reduction orders) compared in CPU float32; 1e-6 is kept as found (issue 39).
 def assert_close(first, second, tolerance=1e-6):
     (value_a, grads_a), (value_b, grads_b) = first, second
     assert abs(value_a.item() - value_b.item()) <= tolerance, (value_a.item(), value_b.item())
@@ -320,6 +323,8 @@ def test_kl_return_reward_is_the_sequence_k1_of_the_anchor(tiny_model_dir, tmp_p
         expected.append(
             loss.kl_shaped_rewards(torch.zeros(1), logps, ref, log_q, mask, 0.05).item()
         )
+    # Kept as found (issue 39, not yet bounded): batched float32 against one unpadded sequence;
+    # an honest float32 forward bound is far looser, a float64 rerun is the fix.
     assert rewards == pytest.approx(expected, abs=1e-5)
     assert set(logged) == {"kl/ref_k1", "kl/anchor_k1", "q/mean"}
 
@@ -499,6 +504,13 @@ def train_file(tmp_path):
     return str(path)
 
 
+# The guide's clamp as the metrics see it: q = exp(log q) of float32(clamp(q, 0.6, 1.4)). The
+# clamp is exact (float32(0.6) = 0.6000000238..., float32(1.4) = 1.3999999761...); log then exp
+# err by at most |log q| u + u < gamma_2 relatively (float32, the coarsest dtype the runs use).
+Q_LOW = torch.tensor(0.6).item() * (1 - bounds.gamma(2, torch.float32))
+Q_HIGH = torch.tensor(1.4).item() * (1 + bounds.gamma(2, torch.float32))
+
+
 def read_metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as handle:
         return [json.loads(line) for line in handle]
@@ -512,8 +524,10 @@ def check_run(result, run_dir, steps, guide_in_loss=True):
         for key in ("loss", "reward", "entropy", "clip_ratio/region", "grad_norm", "q/mean"):
             assert key in record, key
         if guide_in_loss:
-            assert 0.6 - 1e-6 <= record["q/min"] <= record["q/mean"] + 1e-6
-            assert record["q/mean"] <= record["q/max"] + 1e-6 <= 1.4 + 2e-6
+            # the mean's 1e-6 slack: float32 sum rounding of a few hundred q <= 1.4 (NOT YET a
+            # bound: the record does not give the token count n for gamma_n * 1.4)
+            assert Q_LOW <= record["q/min"] <= record["q/mean"] + 1e-6
+            assert record["q/mean"] <= record["q/max"] + 1e-6 and record["q/max"] <= Q_HIGH
     assert os.path.isdir(os.path.join(run_dir, f"checkpoint-{steps}"))
     assert os.path.exists(os.path.join(run_dir, "final", "adapter_model.safetensors"))
 

@@ -316,7 +316,8 @@ def branch_guide_log_q(problem: problems.Problem, config: guides.GuideConfig) ->
     tree = problem.tree
     node_entropies = []
     for offset, children in zip(tree.offsets, tree.children):
-        logits = problem.ref_theta[offset : offset + len(children)][None]  # [1, n]
+        # [1, n], in float32 as the trainer's logits (float64 would stay float64)
+        logits = problem.ref_theta[offset : offset + len(children)][None].float()
         _, entropy = chunked_token_logps_and_entropies(logits, torch.zeros(1, dtype=torch.long))
         node_entropies.append(entropy[0])
     node_of_token = tree.node_of_param[tree.param_index]  # [B, T]
