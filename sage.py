@@ -629,12 +629,13 @@ def main(argv: list[str] | None = None) -> dict:
         evaluation=evaluate.training_evaluation,
         forecast_gb=forecast_gb,
     )
-    engine = start_engine(config, base_path, policy=policy, reference=reference)
+    with runs.CountedMemory() as engine_memory:  # CUDA: what the engine keeps in torch's counters
+        engine = start_engine(config, base_path, policy=policy, reference=reference)
     # pass@k (and the support probe) of the starting policy
     logger.evaluate(engine, updates=start, first=True, policy=policy)
     with tqdm(desc="rl", initial=start, total=config.steps) as progress:
         for step in range(start, config.steps):
-            timer = runs.PhaseTimer()
+            timer = runs.PhaseTimer(engine=engine_memory)  # the trainer's peaks, engine left out
             # 1. prompts -> G rollouts each -> rewards (and the extras that act here)
             rollouts, rewards, metrics = collect_rollouts(
                 engine,

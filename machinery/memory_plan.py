@@ -684,8 +684,14 @@ def plan(
     # The support probe runs beside the awake engine (with --backend hf, beside no engine).
     probe = probe_activations(model_config, config, dtype)
     probe_peak = awake + probe["peak"]
+    # The trainer's own share, what a run's logged peaks measure (runs.PhaseTimer subtracts what
+    # the engine keeps counted): the update, the engine's working memory beside the resident
+    # trainer while it samples, the probe's activations; with --backend hf, its sampling.
+    trainer_peak = hf_peak if config.backend == "hf" else update["resident"] + engine["working"]
+    trainer_peak = max(trainer_peak, update["peak"])
     if probe_runs(config):
         run_peak = max(run_peak, probe_peak)
+        trainer_peak = max(trainer_peak, update["resident"] + probe["peak"])
     fits = not engine_reason and run_peak <= usable
     largest = None
     if search:
@@ -718,6 +724,7 @@ def plan(
         "probe_peak_gb": gigabytes(probe_peak / 1e9),
         "probe_counted": probe_runs(config),
         "run_peak_gb": gigabytes(run_peak / 1e9),
+        "trainer_peak_gb": gigabytes(trainer_peak / 1e9),
         "usable_gb": gigabytes(usable / 1e9),
         "largest_micro_batch": largest,
         "engine_problem": engine_reason or None,
@@ -863,14 +870,15 @@ def forecast_if_asked(config, step: TrainerStep) -> None:
 
 def before_loading(config, step: TrainerStep) -> float | None:
     """On CUDA, before the model loads: a run that cannot fit is refused with one line naming the
-    flag to change; a run that fits says nothing and gets its forecast peak in GB (the run's
-    logger compares it with the peaks measured; None on the CPU). It simulates a step, the
-    costliest check of a run, so sage.start_run calls it after the cheap ones."""
+    flag to change; a run that fits says nothing and gets the trainer's forecast peak in GB (the
+    run's logger compares it with the peaks measured, the engine's counted bytes left out; None
+    on the CPU). It simulates a step, the costliest check of a run, so sage.start_run calls it
+    after the cheap ones."""
     if plan_device() != "cuda":
         return None
     result = plan(config, card_of(config), step, search=False)
     if result["fits"]:
-        return result["run_peak_gb"]
+        return result["trainer_peak_gb"]
     if not result["engine_problem"]:  # would a smaller micro-batch fit?
         result = plan(config, card_of(config), step)
     raise SystemExit(f"error: the run {verdict(result, config)}")

@@ -111,20 +111,53 @@ def truncate_jsonl(path: str, before_step: int) -> None:
         write_jsonl_atomic(path, [row for row in read_jsonl(path) if row["step"] < before_step])
 
 
+class CountedMemory:
+    """What the code run inside ``with CountedMemory() as engine:`` adds to torch's CUDA counters:
+    ``engine.allocated`` and ``engine.reserved`` bytes (0 on the CPU).
+
+    Started inside, vLLM's engine keeps those bytes in the counters while it sleeps: its sleep
+    mode unmaps the pages of its weights and KV cache, but the tensors, and so torch's
+    allocated and reserved counts of them, stay (vLLM issues 17117 and 33625). ``PhaseTimer``
+    subtracts them, so that a phase's peak is what the trainer itself holds.
+
+    >>> with CountedMemory() as engine:
+    ...     pass
+    >>> engine.allocated, engine.reserved
+    (0, 0)
+    """
+
+    def __init__(self):
+        self.allocated = self.reserved = 0
+
+    def __enter__(self) -> CountedMemory:
+        self.on_cuda = torch.cuda.is_available()
+        if self.on_cuda:
+            self.allocated = -torch.cuda.memory_allocated()
+            self.reserved = -torch.cuda.memory_reserved()
+        return self
+
+    def __exit__(self, *exception) -> None:
+        if self.on_cuda:
+            self.allocated += torch.cuda.memory_allocated()
+            self.reserved += torch.cuda.memory_reserved()
+
+
 class PhaseTimer:
-    """Wall-clock seconds per phase of a step, accumulated over the step, and on CUDA the GPU's
-    peak allocated and reserved memory in each phase (its statistics reset as a phase starts).
+    """Wall-clock seconds per phase of a step, accumulated over the step, and on CUDA the peak
+    allocated and reserved memory of each phase (the statistics reset as a phase starts), less
+    what the rollout engine keeps counted (``engine``, a ``CountedMemory``): the trainer's own.
 
     >>> timer = PhaseTimer()
     >>> with timer("reward"):
     ...     pass
-    >>> list(timer.record())
+    >>> [key for key in timer.record() if key.startswith("time/")]  # memory/ keys too on CUDA
     ['time/reward_s', 'time/step_s', 'time/other_s']
     """
 
-    def __init__(self):
+    def __init__(self, engine: CountedMemory | None = None):
         self.seconds: dict[str, float] = {}
         self.peaks: dict[str, tuple[float, float]] = {}  # GB allocated, reserved (CUDA only)
+        self.engine = engine or CountedMemory()
         self.on_cuda = torch.cuda.is_available()
         self.started = time.perf_counter()
 
@@ -138,20 +171,27 @@ class PhaseTimer:
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
             if self.on_cuda:
-                peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+                peak = (
+                    torch.cuda.max_memory_allocated() - self.engine.allocated,
+                    torch.cuda.max_memory_reserved() - self.engine.reserved,
+                )
                 before = self.peaks.get(phase, (0.0, 0.0))
                 self.peaks[phase] = tuple(max(a, b / 1e9) for a, b in zip(before, peak))
 
     def record(self) -> dict[str, float]:
         """Each phase's seconds, the whole step's since the timer was made, and what no phase
-        covers; on CUDA each phase's peak memory (``memory/<phase>_peak_gb`` allocated,
-        ``memory/<phase>_peak_reserved_gb``)."""
+        covers; on CUDA each phase's peak memory less the engine's (``memory/<phase>_peak_gb``
+        allocated, ``memory/<phase>_peak_reserved_gb``), and the engine's (``memory/engine_gb``,
+        ``memory/engine_reserved_gb``)."""
         record = {f"time/{phase}_s": seconds for phase, seconds in self.seconds.items()}
         record["time/step_s"] = time.perf_counter() - self.started
         record["time/other_s"] = record["time/step_s"] - sum(self.seconds.values())
         for phase, (allocated, reserved) in self.peaks.items():
             record[f"memory/{phase}_peak_gb"] = allocated
             record[f"memory/{phase}_peak_reserved_gb"] = reserved
+        if self.peaks:
+            record["memory/engine_gb"] = self.engine.allocated / 1e9
+            record["memory/engine_reserved_gb"] = self.engine.reserved / 1e9
         return record
 
 

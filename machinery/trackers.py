@@ -99,7 +99,10 @@ class Trackers:
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.wandb is not None:
+            import wandb
+
             self.wandb.finish()
+            wandb.teardown()  # ends the service process wandb.init started, and its variable
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,8 +127,9 @@ class RunLogger:
         self.config, self.run_dir, self.tokenizer = config, run_dir, tokenizer
         self.benchmarks = benchmarks  # {name: [Problem]} (evaluate.training_benchmarks)
         self.evaluation = evaluation
-        self.forecast_gb = forecast_gb  # the memory plan's run peak (CUDA), checked each step
-        self.peak_gb: float | None = None  # the highest step peak allocated so far (CUDA)
+        # the memory plan's trainer_peak_gb (CUDA), checked against the logged peaks each step
+        self.forecast_gb = forecast_gb
+        self.peak_gb: float | None = None  # the trainer's highest peak allocated so far (CUDA)
         self.trackers = Trackers(
             config.report_to,
             run_dir,
@@ -168,8 +172,9 @@ class RunLogger:
             )
 
     def check_memory(self, record: dict, step: int) -> None:
-        """On CUDA: the run's peak allocated so far (what the plan forecasts), and one line the
-        first time a step's exceeds the forecast."""
+        """On CUDA: the trainer's peak allocated so far (the engine's counted bytes left out, as
+        the plan's trainer share leaves them out), and one line the first time a step's exceeds
+        that forecast."""
         peaks = [v for k, v in record.items() if k.startswith("memory/") and k.endswith("_peak_gb")]
         if not peaks:
             return
@@ -222,15 +227,15 @@ class RunLogger:
 
 
 def memory_line(peak_gb: float, forecast_gb: float | None, what: str) -> str:
-    """The GPU's peak allocated memory against the plan's forecast, in one line.
+    """The trainer's peak allocated GPU memory against the plan's forecast, in one line.
 
     >>> memory_line(41.5, 38.0, "step 3")
-    "[memory] step 3 peaked at 41.5 GB allocated, above the plan's 38.0 GB"
+    "[memory] step 3: the trainer peaked at 41.5 GB allocated, above the plan's 38.0 GB"
     """
     if forecast_gb is None:
-        return f"[memory] {what} peaked at {peak_gb:.1f} GB allocated, no plan"
+        return f"[memory] {what}: the trainer peaked at {peak_gb:.1f} GB allocated, no plan"
     side = "above" if peak_gb > forecast_gb else "within"
     return (
-        f"[memory] {what} peaked at {peak_gb:.1f} GB allocated, {side} the plan's "
+        f"[memory] {what}: the trainer peaked at {peak_gb:.1f} GB allocated, {side} the plan's "
         f"{forecast_gb:.1f} GB"
     )

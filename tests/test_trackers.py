@@ -65,12 +65,14 @@ def one_step(logger, timer, step=0):
     )
 
 
-def test_a_cuda_steps_metrics_carry_its_peak_memory_and_a_cpu_steps_none(
+def test_a_cuda_steps_metrics_carry_the_trainers_peak_memory_and_a_cpu_steps_none(
     tmp_path, monkeypatch, capsys
 ):
-    """Each phase's peak allocated and reserved GPU memory (reset as the phase starts) is in
-    metrics.jsonl on CUDA, with one line when a step exceeds the plan's forecast and one at the
-    end; on the CPU the record has no memory/ keys and nothing is said."""
+    """Each phase's peak allocated and reserved GPU memory (reset as the phase starts) less what
+    the sleeping engine keeps counted is in metrics.jsonl on CUDA, with one line when the
+    trainer's peak exceeds the plan's forecast and one at the end; on the CPU the record has no
+    memory/ keys and nothing is said. The engine's pool is simulated: 30 GB allocated (32
+    reserved) that torch's counters hold from its start on, asleep or awake."""
     import torch
 
     import sage
@@ -78,6 +80,7 @@ def test_a_cuda_steps_metrics_carry_its_peak_memory_and_a_cpu_steps_none(
 
     config = sage.Config(model="tiny", report_to="jsonl")
     (tmp_path / "cpu").mkdir(), (tmp_path / "cuda").mkdir()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU half, forced
     cpu_logger = trackers.RunLogger(
         config, str(tmp_path / "cpu"), tokenizer=None, benchmarks={}, evaluation=None
     )
@@ -87,9 +90,19 @@ def test_a_cuda_steps_metrics_carry_its_peak_memory_and_a_cpu_steps_none(
     assert "time/update_s" in record and not [k for k in record if k.startswith("memory/")]
     assert "[memory]" not in capsys.readouterr().out
 
-    peaks = iter([10e9, 12e9, 30e9, 33e9, 20e9, 22e9, 41e9, 44e9])  # allocated, reserved per phase
-    resets = []
+    resets, engine = [], 30e9
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    counters = {"allocated": 1e9, "reserved": 2e9}  # the trainer's, before the engine starts
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: counters["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: counters["reserved"])
+    with runs.CountedMemory() as engine_memory:  # the engine starts: its pool enters the counts
+        counters["allocated"] += engine
+        counters["reserved"] += engine + 2e9
+    assert (engine_memory.allocated, engine_memory.reserved) == (30e9, 32e9)
+    # allocated, reserved per phase (rollout, update), the engine's pool counted in: the first
+    # step's update holds 30 GB of the trainer's own (raw 60 GB), the second 41 GB (raw 71 GB)
+    trainer_peaks = [10e9, 12e9, 30e9, 33e9, 20e9, 22e9, 41e9, 44e9]
+    peaks = iter([peak + engine + 2e9 * (i % 2) for i, peak in enumerate(trainer_peaks)])
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(1))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(peaks))
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: next(peaks))
@@ -101,9 +114,9 @@ def test_a_cuda_steps_metrics_carry_its_peak_memory_and_a_cpu_steps_none(
         evaluation=None,
         forecast_gb=35.0,
     )
-    one_step(logger, runs.PhaseTimer(), step=0)
-    assert "[memory]" not in capsys.readouterr().out  # 30 GB: within the forecast
-    one_step(logger, runs.PhaseTimer(), step=1)
+    one_step(logger, runs.PhaseTimer(engine=engine_memory), step=0)
+    assert "[memory]" not in capsys.readouterr().out  # 30 GB: within the forecast (raw: 60)
+    one_step(logger, runs.PhaseTimer(engine=engine_memory), step=1)
     logger.close()
     lines = (tmp_path / "cuda" / "metrics.jsonl").read_text().splitlines()
     first, second = (json.loads(line) for line in lines)
@@ -112,10 +125,12 @@ def test_a_cuda_steps_metrics_carry_its_peak_memory_and_a_cpu_steps_none(
         "memory/rollout_peak_reserved_gb": 12.0,
         "memory/update_peak_gb": 30.0,
         "memory/update_peak_reserved_gb": 33.0,
+        "memory/engine_gb": 30.0,
+        "memory/engine_reserved_gb": 32.0,
     }
     assert second["memory/update_peak_gb"] == 41.0 and len(resets) == 4
     said = capsys.readouterr().out.strip().splitlines()
     assert said == [
-        "[memory] step 1 peaked at 41.0 GB allocated, above the plan's 35.0 GB",
-        "[memory] the run peaked at 41.0 GB allocated, above the plan's 35.0 GB",
+        "[memory] step 1: the trainer peaked at 41.0 GB allocated, above the plan's 35.0 GB",
+        "[memory] the run: the trainer peaked at 41.0 GB allocated, above the plan's 35.0 GB",
     ]
