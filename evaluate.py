@@ -37,7 +37,6 @@ import loss
 import rollout
 from machinery import cli, fast_logprobs, flag_checks, hub
 from machinery import results as files
-from machinery.batches import collate
 from machinery.data import DataError, resolve_benchmarks
 from machinery.runs import write_json_atomic
 from machinery.task import (
@@ -457,6 +456,8 @@ def solution_logps(
     as the sampler draws (``loss.token_logps_and_entropies``, the definition, with temperature
     and min-p), the same without min-p, the entropy H_t, and whether min-p keeps y*_t. No samples
     are drawn, so the numbers are exact, not estimates."""
+    from sage import collate  # the trainer's batch (sage imports this module first)
+
     was_training, device = model.training, next(model.parameters()).device
     model.eval()  # no dropout: the probe is deterministic
     results = []

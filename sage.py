@@ -1,7 +1,8 @@
 """SAGE trainer: GRPO whose reverse-KL anchor pi_ref is reshaped by a guide q (arXiv 2605.18864).
 
-    python sage.py --model Qwen/Qwen2.5-Math-7B      # the paper's run (section 5.1, App. E)
-    make demo                                         # a tiny model on a CPU (extras/demo.py)
+    python sage.py --model Qwen/Qwen2.5-Math-7B               # SAGE: GRPO + branch guide, k3
+    python sage.py --model Qwen/Qwen2.5-Math-7B --guide none  # plain GRPO (section 5.1)
+    make demo                                                 # a tiny model on a CPU
 
 One optimizer step of ``main()`` (section 5, App. E): prompts -> G rollouts each (rollout.py)
 -> rewards -> the log-probs held fixed in the update (pi_ref's) -> advantages (loss.py) -> per
@@ -9,13 +10,15 @@ micro-batch, the guide's log q (guides.py, Eqs. 9-12) and the loss, a clipped su
 beta times the pseudo-KL against p~ = pi_ref * q (Eqs. 3-8) -> AdamW -> weight push -> log ->
 checkpoint. ``grep -n "# SAGE:" *.py`` lists every place where SAGE departs from GRPO. Left out,
 each behind its flag (extras/): the SFT warm start (App. E.2), DAPO's dynamic sampling,
-self-hints. What every step runs on is imported from machinery/ below: ``collate`` (the padded
-batch), ``models.reference_mode`` (pi_ref), the weight push and the reward. Deviations:
-docs/deviations.md.
+self-hints. The padded batch (``collate``) and pi_ref (``reference_mode``) are here, the weight
+push in rollout.py; from machinery/ come the reward, the model's loading and the run's files.
+Deviations: docs/deviations.md.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import math
 import os
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from peft import LoraConfig, get_peft_model
 from tqdm import tqdm
 
 import evaluate
@@ -34,9 +38,7 @@ import rollout
 from evaluate import EvalConfig
 from extras.flags import DynamicSamplingConfig, HintsConfig, SFTConfig
 from machinery import cli, flag_checks, hub, memory_plan, models, runs, trackers
-from machinery.batches import collate
 from machinery.data import PromptSampler, load_rows, training_problems
-from machinery.loss_metrics import anchor_offset
 from machinery.task import build_prompt_ids, load_reward_function
 
 # ---- Configuration: one typed dataclass, a docstring per field, parsed once --------------------
@@ -176,7 +178,8 @@ EPILOG = (
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """The command line -> Config: the --algo preset's flags, then the user's (which win)."""
-    argv = cli.expand_preset(sys.argv[1:] if argv is None else list(argv), PRESETS)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = cli.expand_preset(argv, PRESETS, default_guide=guides.GuideConfig.name)
     config, sections, parser = cli.parse_config(
         Config,
         argv,
@@ -235,6 +238,53 @@ def load_problems(config: Config, tokenizer) -> list[dict]:
     return fitting
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def wrap_lora(model, rank: int, alpha: int):
+    """LoRA adapters on the attention and MLP projections (paper: rank 8)."""
+    lora = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=0.0,
+        target_modules=LORA_TARGETS,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
+
+
+def make_policy(model, full_finetune: bool, lora_rank: int, lora_alpha: int, with_reference: bool):
+    """(policy, frozen_reference): LoRA adapters whose reference is the base with the adapter off
+    (no copy), or, when fine-tuning every weight, the model itself and a frozen copy (if a KL
+    anchor needs a reference)."""
+    if not full_finetune:
+        return wrap_lora(model, lora_rank, lora_alpha), None
+    return model, (copy.deepcopy(model).eval().requires_grad_(False) if with_reference else None)
+
+
+@contextlib.contextmanager
+def reference_mode(policy, frozen_reference):
+    """Yield the reference policy: the frozen copy, or the LoRA base with the adapter off."""
+    if frozen_reference is not None:
+        yield frozen_reference
+    else:
+        with policy.disable_adapter():
+            yield policy
+
+
+def make_optimizer(model, lr: float, weight_decay: float, total_steps: int, warmup_steps: int):
+    """AdamW on the trainable parameters with linear warmup and linear decay to 0."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+    def schedule(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
 def load_policy(config: Config, base_path: str):
     """(policy, frozen reference or None, optimizer, scheduler, tokenizer): LoRA adapters on the
     model at ``base_path``, whose reference pi_ref is that model with the adapters off (no copy; a
@@ -244,14 +294,14 @@ def load_policy(config: Config, base_path: str):
         gradient_checkpointing=config.gradient_checkpointing,
         full_finetune=config.full_finetune,
     )
-    policy, reference = models.make_policy(
+    policy, reference = make_policy(
         model,
         full_finetune=config.full_finetune,
         lora_rank=config.lora_rank,
         lora_alpha=config.lora_alpha,
         with_reference=needs_reference(config),
     )
-    optimizer, scheduler = models.make_optimizer(
+    optimizer, scheduler = make_optimizer(
         policy,
         lr=config.lr,
         weight_decay=config.weight_decay,
@@ -419,6 +469,47 @@ def collect_rollouts(
 # ---- The update: held-fixed log-probs, the guide's log q, advantages, the loss -----------------
 
 
+def collate(
+    prompts: list[list[int]], completions: list[list[int]], pad_id: int, device, group_size: int = 1
+) -> dict:
+    """Left-padded prompts + right-padded completions in one [B, P + C] batch, so that every
+    completion starts at the same column and its log-probs come out as one [B, C] block.
+
+    position_ids count real tokens only, so a left-padded row sees the positions the engine saw.
+    With ``group_size`` > 1, rows that come in groups sharing one prompt (GRPO's G completions of
+    a prompt) are marked so, and ``completion_logps`` runs each prompt through the model once.
+
+    >>> batch = collate([[5, 6], [7]], [[8], [9, 10]], pad_id=0, device="cpu")
+    >>> batch["input_ids"].tolist(), batch["completion_mask"].tolist()
+    ([[5, 6, 8, 0], [0, 7, 9, 10]], [[1.0, 0.0], [1.0, 1.0]])
+    >>> batch["position_ids"].tolist()
+    [[0, 1, 2, 2], [0, 0, 1, 2]]
+    """
+    prompt_len = max(map(len, prompts))
+    completion_len = max(1, max(map(len, completions)))
+    batch = len(prompts)
+    input_ids = torch.full((batch, prompt_len + completion_len), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    completion_mask = torch.zeros(batch, completion_len)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        start, end = prompt_len - len(prompt), prompt_len + len(completion)
+        input_ids[row, start:prompt_len] = torch.tensor(prompt)
+        input_ids[row, prompt_len:end] = torch.tensor(completion, dtype=torch.long)
+        attention_mask[row, start:end] = 1
+        completion_mask[row, : len(completion)] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+    shared = group_size > 1 and batch % group_size == 0
+    shared = shared and all(prompts[row] == prompts[row - row % group_size] for row in range(batch))
+    return {
+        "group_size": group_size if shared else 1,
+        "input_ids": input_ids.to(device),
+        "attention_mask": attention_mask.to(device),
+        "position_ids": position_ids.to(device),
+        "completion_ids": input_ids[:, prompt_len:].to(device),  # [B, C]
+        "completion_mask": completion_mask.to(device),  # [B, C]
+    }
+
+
 def micro_batches(rollouts: Rollouts, config: Config, pad_id: int, device) -> list:
     """[(rows, batch)] per micro-batch: the batch as ``collate`` makes it [B, P + C], plus the
     engine's log-probs [B, C]."""
@@ -468,7 +559,7 @@ def held_fixed_logps(policy, reference, batch: dict, config: Config, step: int, 
     held = loss.HeldFixed(engine_logps=batch["engine_logps"])
     guide_signals = None  # (log-probs, entropies) that the guide reads, if this pass has them
     if needs_reference(config):
-        with models.reference_mode(policy, reference) as reference_policy:
+        with reference_mode(policy, reference) as reference_policy:
             # The reference's full softmax is the anchor (the authors' too); replaying min-p there
             # would act as an implicit guide q = 1 / M_ref (docs/min-p.md).
             ref_min_p = config.min_p if config.loss.reference_min_p else 0.0
@@ -567,7 +658,7 @@ def update_policy(
                 config=config.loss,
                 step_tokens=step_tokens,
             )
-            micro_metrics |= anchor_offset(fixed.log_q, mask, q_constant=constant_q)
+            micro_metrics |= loss.anchor_offset(fixed.log_q, mask, q_constant=constant_q)
             if not torch.isfinite(micro_loss):
                 raise FloatingPointError(f"the loss is {micro_loss.item()}: lower --lr or --beta")
             weight = loss.micro_batch_weight(

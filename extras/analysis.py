@@ -27,8 +27,8 @@ from transformers import AutoModelForCausalLM
 
 from loss import completion_logps
 from machinery import cli
-from machinery.batches import collate
 from machinery.runs import atomic_output, read_jsonl, write_json_atomic
+from sage import collate
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -130,7 +130,7 @@ def completion_perplexities(
 ) -> list[float]:
     """Eq. 39: PPL(y | x) = exp(-(1/|y|) sum_t log pi_base(y_t | x, y_<t)) for each pair.
 
-    The forward pass is the trainer's (machinery.batches.collate + loss.completion_logps:
+    The forward pass is the trainer's (sage.collate + loss.completion_logps:
     left-padded prompts with true positions, only completion positions projected to the
     vocabulary).
     """

@@ -263,6 +263,7 @@ def simulate_update(
     step of a small model (the simulation's check)."""
     from transformers import AutoModelForCausalLM
 
+    import sage  # the trainer's policy and optimizer (leaves machinery/ with the simulation)
     from machinery import models
 
     with contextlib.ExitStack() as stack:
@@ -277,14 +278,14 @@ def simulate_update(
             torch.set_default_dtype(default_dtype)
         if config.gradient_checkpointing:
             models.enable_gradient_checkpointing(model)
-        policy, reference = models.make_policy(
+        policy, reference = sage.make_policy(
             model,
             full_finetune=config.full_finetune,
             lora_rank=config.lora_rank,
             lora_alpha=config.lora_alpha,
             with_reference=step.needs_reference(config),
         )
-        optimizer, _ = models.make_optimizer(policy, config.lr, config.weight_decay, 10, 1)
+        optimizer, _ = sage.make_optimizer(policy, config.lr, config.weight_decay, 10, 1)
         trained = [p for p in policy.parameters() if p.requires_grad]
         for parameter in trained:  # a step after the first: AdamW's moments exist
             parameter.grad = torch.zeros_like(parameter)

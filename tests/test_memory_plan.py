@@ -243,10 +243,10 @@ def test_the_trainers_resident_bytes_count_adamws_moments_before_they_exist(tiny
     from machinery import models
 
     model, _ = tiny
-    policy, reference = models.make_policy(
+    policy, reference = sage.make_policy(
         copy.deepcopy(model), full_finetune=False, lora_rank=4, lora_alpha=8, with_reference=True
     )
-    optimizer, _ = models.make_optimizer(
+    optimizer, _ = sage.make_optimizer(
         policy, lr=1e-3, weight_decay=0.0, total_steps=10, warmup_steps=0
     )
     before = models.resident_bytes(policy, reference)
