@@ -1,15 +1,18 @@
 """The GPU memory of a run, forecast before anything loads (``sage.py --plan-memory``).
 
-Only the model's config.json is read. The trainer's update is simulated: the model is built on
-PyTorch's meta device (shapes and dtypes, no values), wrapped as sage.py wraps it (LoRA or every
-weight trained, gradient checkpointing), and one step of ``sage.held_fixed_logps`` and
-``sage.update_policy`` runs on a batch of the step's shape with every prompt and completion at
-full length (the worst case). A dispatch mode adds each new storage an op returns and a finalizer
-removes it when the storage is freed, so the running total follows what CUDA's
-``max_memory_allocated`` counts. Attention is charged as CUDA's fused kernel holds it (output and
-log-sum-exp, never the [B, H, L, L] scores) and the log-prob pass takes CUDA's chunk size. Meta
-tensors hold no values, so a value the step reads answers as a healthy step would: a number
-reads 1, a check passes, and a boolean mask keeps every element.
+Only the model's config.json is read. The trainer's update is counted in closed form
+(``estimate_update_peak``, a few dozen lines of arithmetic): on CUDA the run's refusal before the
+model loads (``before_loading``) reads that, at once. --plan-memory also simulates the update,
+the formula's check (within 5% at the paper's shapes, tests/test_memory_plan.py), and prints
+both. The simulation builds the model on PyTorch's meta device (shapes and dtypes, no values),
+wraps it as sage.py wraps it (LoRA or every weight trained, gradient checkpointing), and runs one
+step of ``sage.held_fixed_logps`` and ``sage.update_policy`` on a batch of the step's shape with
+every prompt and completion at full length (the worst case). A dispatch mode adds each new
+storage an op returns and a finalizer removes it when the storage is freed, so the running total
+follows what CUDA's ``max_memory_allocated`` counts. Attention is charged as CUDA's fused kernel
+holds it (output and log-sum-exp, never the [B, H, L, L] scores) and the log-prob pass takes
+CUDA's chunk size. Meta tensors hold no values, so a value the step reads answers as a healthy
+step would: a number reads 1, a check passes, and a boolean mask keeps every element.
 
 The step simulated is the steady state: AdamW's moments exist (a step after the first). Its
 first two micro-batches run (the later ones repeat the second's allocations; the few MB of
@@ -45,7 +48,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from machinery import hub
+from machinery import fast_logprobs, hub
 from machinery.engine_checks import CheckError
 
 CARDS_GB = (24, 40, 48, 80, 141)
@@ -252,6 +255,97 @@ def step_rollouts(config, vocab: int, count: int, step: TrainerStep):
         problems=[""] * count,
         answers=[""] * count,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# The update's peak in closed form: what the run's refusal reads (the simulation below checks it)
+# --------------------------------------------------------------------------------------------
+
+
+def estimate_update_peak(model_config, config, dtype: torch.dtype, with_reference: bool) -> dict:
+    """Bytes of one steady-state update step, as ``simulate_update`` counts them, by arithmetic:
+    ``weights``, ``resident`` (with AdamW's moments), ``peak`` and the phase at the peak.
+
+    h, I, V: the hidden, MLP and vocabulary sizes; q: the query width (heads x head size); n
+    layers; s: the bytes of ``dtype`` (bf16 under LoRA on CUDA, float32 with --full-finetune);
+    B: --micro-batch-size; T = B x --max-seq-len tokens, of which N = B x the completion budget
+    are completion positions; a micro-batch at full length.
+
+    * Weights, gradients, AdamW's two moments. LoRA (``models.wrap_lora``): the base in s, and
+      rank r adapters on q, k, v, o, gate, up and down, kept in float32 by peft: r (in + out)
+      each, r (7h + 2q + 2 kv + 3I) a layer; the reference is the base with the adapter off.
+      --full-finetune: every weight in float32, plus a frozen copy when a KL anchor needs one.
+    * Kept for the backward, per token and layer. LoRA: the frozen base projections keep
+      nothing; each adapter keeps a float32 copy of its input, 4 (5h + q + I); each RMSNorm its
+      float32 input, 2 x 4h; the attention its rotated queries, the keys and values repeated to
+      every head and its output, 4q s; the MLP the gate, its SiLU and up, 3I s (the 7B: 333
+      KB). --full-finetune: every linear keeps its input for its weight's gradient: each norm
+      its input, normalized and output, 2 x 3h s; the attention 4q s; the MLP 4I s (the
+      gate, its SiLU, up and their product). Gradient checkpointing keeps a layer's input, h s.
+    * One layer's backward (recomputed under checkpointing): what it keeps and the gradients in
+      flight, the most at its MLP's: LoRA 12h + 4I more (a float32 and four s-sized [h]
+      tensors; two float32 [I] gradients where down's float32 input was); full 2I s more.
+    * The log-prob pass (``fast_logprobs.completion_logps``): only the N completion positions
+      are projected, N V s of logits, and the chunked kernel's three float32 work buffers of
+      ``default_chunk_rows`` rows on CUDA (64 MiB each); the final norm's input, 4h a token
+      (full: 2h s, and the output layer's new weight gradient V h s with its [N, h] input and
+      input gradient 2N h s, beside the first micro-batch's).
+    * The attention mask: a boolean [B, 1, L, L] and, in each attention call, the fused kernel's
+      bias of it in s: every layer's held without checkpointing, one at a time with it.
+
+    The peak is the resident bytes and the gradients plus the larger of the log-prob pass (all
+    layers' kept bytes, the logits and the chunks) and the top layer's backward. Without
+    checkpointing, a micro-batch of whole groups runs each shared prompt once
+    (``fast_logprobs.shared_prompt_logps``): counted here at full length, an upper bound.
+
+    >>> from types import SimpleNamespace
+    >>> from transformers import Qwen2Config  # the 7B, LoRA rank 8, micro-batch 4 x 2,048
+    >>> config = SimpleNamespace(micro_batch_size=4, max_seq_len=2048, max_prompt_len=512,
+    ...     full_finetune=False, lora_rank=8, gradient_checkpointing=True)
+    >>> estimate = estimate_update_peak(Qwen2Config(**QWEN25_MATH_7B, tie_word_embeddings=False),
+    ...     config, torch.bfloat16, with_reference=True)
+    >>> {key: round(value / 1e9, 2) for key, value in estimate.items() if key != "peak_op"}
+    {'weights': 15.31, 'resident': 15.47, 'peak': 20.95}
+    >>> estimate["peak_op"]  # 0.08 GB of gradients, 5.34 GB a layer's and 0.05 GB of masks
+    "a layer's backward"
+    """
+    text = model_config.get_text_config()
+    h, inter, vocab = text.hidden_size, text.intermediate_size, text.vocab_size
+    head_size = getattr(text, "head_dim", None) or h // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    q, kv = text.num_attention_heads * head_size, kv_heads * head_size
+    layers = text.num_hidden_layers
+    s, rows, length = dtype.itemsize, config.micro_batch_size, config.max_seq_len
+    tokens, completion = rows * length, rows * (length - config.max_prompt_len)
+    parameters = parameter_count(model_config)
+    if config.full_finetune:
+        trained, weights = parameters * s, parameters * s * (1 + with_reference)
+        saved = s * (6 * h + 4 * q + 4 * inter)
+        backward = saved + 2 * inter * s
+        final_norm, output_layer = 2 * h * s, vocab * h * s + 2 * completion * h * s
+    else:
+        trained = 4 * layers * config.lora_rank * (7 * h + 2 * q + 2 * kv + 3 * inter)
+        weights = parameters * s + trained
+        saved = 4 * (7 * h + q + inter) + s * (4 * q + 3 * inter)
+        backward = saved + 12 * h + 4 * inter
+        final_norm, output_layer = 4 * h, 0
+    checkpointing = config.gradient_checkpointing
+    kept = h * s if checkpointing else saved  # per token and layer, through the forward
+    mask, bias = rows * length**2, rows * length**2 * s
+    chunk_rows = min(fast_logprobs.default_chunk_rows(vocab, torch.device("cuda")), completion)
+    logits = completion * vocab * s + max(3 * chunk_rows * vocab * 4, output_layer)
+    every_layer = tokens * layers * kept
+    top_layer = backward if checkpointing else backward - saved  # (its kept bytes are counted)
+    log_prob_pass = every_layer + tokens * final_norm + logits
+    layer_backward = every_layer + tokens * top_layer + bias  # its attention's mask bias
+    if not checkpointing:  # every layer holds its attention's bias
+        log_prob_pass += layers * bias
+        layer_backward += (layers - 1) * bias
+    phases = {"the log-prob pass": log_prob_pass, "a layer's backward": layer_backward}
+    peak_op = max(phases, key=phases.get)
+    resident = weights + 2 * trained  # AdamW's moments, in the trained weights' dtype
+    peak = resident + trained + phases[peak_op] + mask  # + the gradients
+    return {"weights": weights, "resident": resident, "peak": peak, "peak_op": peak_op}
 
 
 def simulate_update(
@@ -642,13 +736,27 @@ def probe_activations(model_config, config, dtype: torch.dtype) -> dict:
     return {"layer": layer, "logits": logits, "peak": max(layer, logits)}
 
 
+def update_bytes(model_config, config, dtype, step: TrainerStep, simulate: bool) -> dict:
+    """The update step's bytes: simulated on the meta device (``simulate_update``, seconds to a
+    minute) or by the formula (``estimate_update_peak``, at once)."""
+    if simulate:
+        return simulate_update(model_config, config, dtype, step)
+    return estimate_update_peak(model_config, config, dtype, step.needs_reference(config))
+
+
 def largest_fitting_micro_batch(
-    model_config, config, dtype, usable: int, step: TrainerStep, probe_beside: int | None = None
+    model_config,
+    config,
+    dtype,
+    usable: int,
+    step: TrainerStep,
+    probe_beside: int | None = None,
+    simulate: bool = True,
 ) -> int:
-    """The largest power of two (up to the step's sequences) whose update peak fits in
-    ``usable`` bytes, and whose support probe fits beside ``probe_beside`` bytes (the trainer's
-    resident bytes and the awake engine's share; None: no probe), by bisection (both peaks grow
-    with the micro-batch); 0 if none does."""
+    """The largest power of two (up to the step's sequences) whose update peak (simulated, or by
+    the formula) fits in ``usable`` bytes, and whose support probe fits beside ``probe_beside``
+    bytes (the trainer's resident bytes and the awake engine's share; None: no probe), by
+    bisection (both peaks grow with the micro-batch); 0 if none does."""
     sequences = config.prompts_per_step * config.rollouts
     sizes = [2**i for i in range(sequences.bit_length()) if 2**i <= sequences]
     low, high, best = 0, len(sizes) - 1, 0
@@ -658,7 +766,8 @@ def largest_fitting_micro_batch(
         probe_fits = probe_beside is None or (
             probe_beside + probe_activations(model_config, trial, dtype)["peak"] <= usable
         )
-        if probe_fits and simulate_update(model_config, trial, dtype, step)["peak"] <= usable:
+        update = update_bytes(model_config, trial, dtype, step, simulate)
+        if probe_fits and update["peak"] <= usable:
             best, low = sizes[middle], middle + 1
         else:
             high = middle - 1
@@ -666,15 +775,23 @@ def largest_fitting_micro_batch(
 
 
 def plan(
-    config, card_bytes: int, step: TrainerStep, search: bool = True, update: dict | None = None
+    config,
+    card_bytes: int,
+    step: TrainerStep,
+    search: bool = True,
+    update: dict | None = None,
+    simulate: bool = True,
 ) -> dict:
     """The forecast of a run on a card of ``card_bytes``: the update's peak, the engine's share,
-    the run's peak, the verdict, and (``search``) the largest micro-batch that fits. ``update``:
-    this config's ``simulate_update``, if made already (one simulation serves every card)."""
+    the run's peak, the verdict, and (``search``) the largest micro-batch that fits. The update
+    is simulated (``simulate``) or taken from the formula, whose peak the plan reports either
+    way; ``update``: this config's ``simulate_update``, if made already (one simulation serves
+    every card)."""
     model_config = read_model_config(config.model)
     dtype = trainer_dtype(config, "cuda")
+    formula = update_bytes(model_config, config, dtype, step, simulate=False)
     if update is None:
-        update = simulate_update(model_config, config, dtype, step)
+        update = simulate_update(model_config, config, dtype, step) if simulate else formula
     engine, engine_reason = engine_share(model_config, config, card_bytes, update["resident"])
     usable = int((1 - GPU_HEADROOM) * card_bytes)
     sampling = hf_sampling(model_config, config, dtype)
@@ -691,7 +808,7 @@ def plan(
     if search:
         beside = int(awake) if probe_runs(config) else None
         largest = largest_fitting_micro_batch(
-            model_config, config, dtype, usable, step, probe_beside=beside
+            model_config, config, dtype, usable, step, probe_beside=beside, simulate=simulate
         )
     sequences = config.prompts_per_step * config.rollouts
     gigabytes = functools.partial(round, ndigits=2)
@@ -701,6 +818,7 @@ def plan(
         "fits": fits,
         "update_peak_gb": gigabytes(update["peak"] / 1e9),
         "update_peak_op": update["peak_op"],
+        "update_peak_formula_gb": gigabytes(formula["peak"] / 1e9),
         "trainer_weights_gb": gigabytes(update["weights"] / 1e9),
         "trainer_resident_gb": gigabytes(update["resident"] / 1e9),
         "engine_weights_gb": gigabytes(engine["weights"] / 1e9),
@@ -834,7 +952,8 @@ def print_report(result: dict, config) -> None:
         f"{result['max_seq_len']} tokens, simulated on the meta device; {UNCOUNTED}):",
         f"  trainer, resident     {result['trainer_resident_gb']:7.2f} GB (weights "
         f"{result['trainer_weights_gb']:.2f} GB, adapters and AdamW states)",
-        f"  trainer, update peak  {result['update_peak_gb']:7.2f} GB (the engine asleep)",
+        f"  trainer, update peak  {result['update_peak_gb']:7.2f} GB (the engine asleep; the "
+        f"formula: {result['update_peak_formula_gb']:.2f} GB)",
         f"  engine                {engine_line(result, config)}",
         *([sampling_line(result)] if config.backend == "hf" else []),
         *([probe_line(result, config)] if result["probe_counted"] else []),
@@ -864,13 +983,13 @@ def forecast_if_asked(config, step: TrainerStep) -> None:
 def before_loading(config, step: TrainerStep) -> float | None:
     """On CUDA, before the model loads: a run that cannot fit is refused with one line naming the
     flag to change; a run that fits says nothing and gets its forecast peak in GB (the run's
-    logger compares it with the peaks measured; None on the CPU). It simulates a step, the
-    costliest check of a run, so sage.start_run calls it after the cheap ones."""
+    logger compares it with the peaks measured; None on the CPU). The update's peak is the
+    formula's (``estimate_update_peak``): no simulation runs on the run's path."""
     if plan_device() != "cuda":
         return None
-    result = plan(config, card_of(config), step, search=False)
+    result = plan(config, card_of(config), step, search=False, simulate=False)
     if result["fits"]:
         return result["run_peak_gb"]
     if not result["engine_problem"]:  # would a smaller micro-batch fit?
-        result = plan(config, card_of(config), step)
+        result = plan(config, card_of(config), step, simulate=False)
     raise SystemExit(f"error: the run {verdict(result, config)}")
