@@ -3,7 +3,7 @@ fits and the run's forecast peak, for the paper's 7B shape (Qwen2.5-Math-7B; the
 has the same shape) and sage.py's defaults (8 x 8 sequences, prompts of up to 512 tokens, LoRA
 rank 8, gradient checkpointing).
 
-The update is simulated once per length and micro-batch (``memory_plan.simulate_update``, up
+The update is simulated once per length and micro-batch (``memory_sim.simulate_update``, up
 to a minute each at the 7B shape on a laptop CPU); each card's verdict is ``memory_plan.plan``'s
 on that simulation: a micro-batch fits when the update's peak (the engine asleep) and the
 trainer's resident bytes beside the awake engine both fit the card's usable memory.
@@ -31,7 +31,7 @@ from transformers import Qwen2Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import sage  # noqa: E402
-from machinery import memory_plan  # noqa: E402
+from machinery import memory_plan, memory_sim  # noqa: E402
 
 
 def card_row(config, card_gb: float, updates: dict, step) -> dict:
@@ -126,7 +126,7 @@ def main(argv=None) -> dict:
             updates = {}
             for size in micro_batches:
                 trial = dataclasses.replace(config, micro_batch_size=size)
-                updates[size] = memory_plan.simulate_update(
+                updates[size] = memory_sim.simulate_update(
                     model_config, trial, dtype, sage.planned_step()
                 )
                 gigabytes = updates[size]["peak"] / 1e9

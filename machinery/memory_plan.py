@@ -4,19 +4,9 @@ Only the model's config.json is read. The trainer's update is counted in closed 
 (``estimate_update_peak``, a few dozen lines of arithmetic): on CUDA the run's refusal before the
 model loads (``before_loading``) reads that, at once. --plan-memory also simulates the update,
 the formula's check (within 5% at the paper's shapes, tests/test_memory_plan.py), and prints
-both. The simulation builds the model on PyTorch's meta device (shapes and dtypes, no values),
-wraps it as sage.py wraps it (LoRA or every weight trained, gradient checkpointing), and runs one
-step of ``sage.held_fixed_logps`` and ``sage.update_policy`` on a batch of the step's shape with
-every prompt and completion at full length (the worst case). A dispatch mode adds each new
-storage an op returns and a finalizer removes it when the storage is freed, so the running total
-follows what CUDA's ``max_memory_allocated`` counts. Attention is charged as CUDA's fused kernel
-holds it (output and log-sum-exp, never the [B, H, L, L] scores) and the log-prob pass takes
-CUDA's chunk size. Meta tensors hold no values, so a value the step reads answers as a healthy
-step would: a number reads 1, a check passes, and a boolean mask keeps every element.
+both (machinery/memory_sim.py, loaded only then).
 
-The step simulated is the steady state: AdamW's moments exist (a step after the first). Its
-first two micro-batches run (the later ones repeat the second's allocations; the few MB of
-held-fixed per-token values of the others are left out). Beside it:
+Beside the update:
 
 * the engine: its bf16 weights, vLLM's working memory and the KV cache of the step's sequences
   at full length, all of them or as many as fit beside the trainer (then the step samples in
@@ -36,17 +26,13 @@ is N x 10^9 bytes (an "80 GB" H100 holds 85 x 10^9: the verdict errs on the safe
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
 import math
-import weakref
 from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from machinery import fast_logprobs, hub
 from machinery.engine_checks import CheckError
@@ -90,140 +76,6 @@ class TrainerStep:
     update_policy: Callable  # sage.update_policy
 
 
-class LiveStorages(TorchDispatchMode):
-    """The bytes of the storages alive on one device type, and their peak, as ops create them.
-
-    On the meta device it also answers the reads of values a meta tensor does not hold."""
-
-    FALSE_ANSWERS = ("any", "eq")  # "is anything bad?" and "are these equal?" read False
-
-    def __init__(self, device_type: str):
-        super().__init__()
-        self.device_type = device_type
-        self.sizes: dict[int, int] = {}  # storage address -> bytes
-        self.total = self.peak = 0
-        self.peak_op = ""
-        self.false_storages: set[int] = set()
-
-    def add(self, tensor: torch.Tensor, op: str = "") -> None:
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        if key in self.sizes:  # a view, or a storage already counted
-            return
-        self.sizes[key] = storage.nbytes()
-        self.total += storage.nbytes()
-        weakref.finalize(storage, self._freed, key)
-        if self.total > self.peak:
-            self.peak, self.peak_op = self.total, op
-
-    def _freed(self, key: int) -> None:
-        self.total -= self.sizes.pop(key, 0)
-        self.false_storages.discard(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        on_meta = self.device_type == "meta"
-        if on_meta and func is torch.ops.aten._local_scalar_dense.default:  # .item(), bool()
-            tensor = args[0]
-            if tensor.dtype == torch.bool:
-                return tensor.untyped_storage()._cdata not in self.false_storages
-            return 1.0 if tensor.is_floating_point() else 1
-        if on_meta and func is torch.ops.aten.nonzero.default:  # a mask that keeps everything
-            tensor = args[0]
-            indices = torch.empty(tensor.numel(), tensor.dim(), dtype=torch.long, device="meta")
-            self.add(indices, func.name())
-            return indices
-        out = func(*args, **kwargs)
-        if on_meta and func.name().split("::")[-1].split(".")[0] in self.FALSE_ANSWERS:
-            self.false_storages.add(out.untyped_storage()._cdata)
-        for leaf in tree_flatten(out)[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.device.type == self.device_type:
-                self.add(leaf, func.name())
-        return out
-
-
-def _meta_tolist(original):
-    def tolist(tensor):
-        if tensor.device.type != "meta":
-            return original(tensor)
-        if tensor.dim() == 0:
-            return 1.0 if tensor.is_floating_point() else 1
-        return [tolist(row) for row in tensor]
-
-    return tolist
-
-
-def _fused_attention(original):
-    """F.scaled_dot_product_attention as CUDA's fused memory-efficient kernel holds it: the
-    output and its log-sum-exp, never the scores (the meta device would take the math path)."""
-
-    def attention(
-        query,
-        key,
-        value,
-        attn_mask=None,
-        dropout_p=0.0,
-        is_causal=False,
-        scale=None,
-        enable_gqa=False,
-    ):
-        if query.device.type != "meta":
-            return original(
-                query,
-                key,
-                value,
-                attn_mask=attn_mask,
-                dropout_p=dropout_p,
-                is_causal=is_causal,
-                scale=scale,
-                enable_gqa=enable_gqa,
-            )
-        if key.shape[1] != query.shape[1]:  # grouped-query attention: the kernel repeats heads
-            repeats = query.shape[1] // key.shape[1]
-            key = key.repeat_interleave(repeats, dim=1)
-            value = value.repeat_interleave(repeats, dim=1)
-        bias = attn_mask
-        if attn_mask is not None and attn_mask.dtype != query.dtype:  # a boolean mask -> a bias
-            bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device="meta")
-        output, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, bias, True, dropout_p, is_causal, scale=scale
-        )
-        return output
-
-    return attention
-
-
-@contextlib.contextmanager
-def cuda_kernels_on_meta():
-    """While it lasts, meta tensors run as the CUDA step does: the fused attention kernel, CUDA's
-    chunk of the log-prob pass, and healthy answers to the reads of values."""
-    import torch.fx.experimental._config as fx_config
-
-    from machinery import fast_logprobs
-
-    chunk_rows = fast_logprobs.default_chunk_rows
-
-    def cuda_chunk_rows(vocab, device):
-        cuda = torch.device(device).type == "meta"
-        return chunk_rows(vocab, torch.device("cuda") if cuda else device)
-
-    saved = (
-        torch.nn.functional.scaled_dot_product_attention,
-        torch.Tensor.tolist,
-        fx_config.meta_nonzero_assume_all_nonzero,
-    )
-    torch.nn.functional.scaled_dot_product_attention = _fused_attention(saved[0])
-    torch.Tensor.tolist = _meta_tolist(saved[1])
-    fx_config.meta_nonzero_assume_all_nonzero = True
-    fast_logprobs.default_chunk_rows = cuda_chunk_rows
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention, torch.Tensor.tolist = saved[:2]
-        fx_config.meta_nonzero_assume_all_nonzero = saved[2]
-        fast_logprobs.default_chunk_rows = chunk_rows
-
-
 def read_model_config(model: str):
     """The model's config.json (a local directory, or a hub name as ``hub.resolve_model`` takes
     it; no weights are read). One that does not read is the loader's one line, so a run says the
@@ -237,34 +89,15 @@ def read_model_config(model: str):
         raise SystemExit(hub.cannot_load(name, error)) from None
 
 
-def step_rollouts(config, vocab: int, count: int, step: TrainerStep):
-    """``count`` rollouts of the step, prompt-major (G completions share each prompt), every
-    prompt --max-prompt-len and every completion the whole budget long."""
-    completion_len = config.max_seq_len - config.max_prompt_len
-    prompts, completions = [], []
-    for row in range(count):
-        first = 10 + (row // config.rollouts) * 7
-        prompts.append([(first + i) % vocab for i in range(config.max_prompt_len)])
-        completions.append([(first + 3 * row + i) % vocab for i in range(completion_len)])
-    return step.rollouts(
-        prompt_ids=prompts,
-        completion_ids=completions,
-        texts=[""] * count,
-        finish_reasons=["length"] * count,
-        engine_logps=[[0.0] * completion_len for _ in range(count)],
-        problems=[""] * count,
-        answers=[""] * count,
-    )
-
-
 # --------------------------------------------------------------------------------------------
-# The update's peak in closed form: what the run's refusal reads (the simulation below checks it)
+# The update's peak in closed form: what the run's refusal reads (memory_sim.py checks it)
 # --------------------------------------------------------------------------------------------
 
 
 def estimate_update_peak(model_config, config, dtype: torch.dtype, with_reference: bool) -> dict:
-    """Bytes of one steady-state update step, as ``simulate_update`` counts them, by arithmetic:
-    ``weights``, ``resident`` (with AdamW's moments), ``peak`` and the phase at the peak.
+    """Bytes of one steady-state update step, as ``memory_sim.simulate_update`` counts them, by
+    arithmetic: ``weights``, ``resident`` (with AdamW's moments), ``peak`` and the phase at the
+    peak.
 
     h, I, V: the hidden, MLP and vocabulary sizes; q: the query width (heads x head size); n
     layers; s: the bytes of ``dtype`` (bf16 under LoRA on CUDA, float32 with --full-finetune);
@@ -346,85 +179,6 @@ def estimate_update_peak(model_config, config, dtype: torch.dtype, with_referenc
     resident = weights + 2 * trained  # AdamW's moments, in the trained weights' dtype
     peak = resident + trained + phases[peak_op] + mask  # + the gradients
     return {"weights": weights, "resident": resident, "peak": peak, "peak_op": peak_op}
-
-
-def simulate_update(
-    model_config, config, dtype: torch.dtype, step: TrainerStep, device: str = "meta"
-) -> dict:
-    """Bytes of one steady-state update step counted storage by storage: ``weights`` (the
-    trainer's model, adapters and reference), ``resident`` (with AdamW's moments: what stays
-    between steps), ``peak`` and the op at the peak. On ``meta``, simulated; on ``cpu``, a real
-    step of a small model (the simulation's check)."""
-    from transformers import AutoModelForCausalLM
-
-    from machinery import models
-
-    with contextlib.ExitStack() as stack:
-        if device == "meta":
-            stack.enter_context(cuda_kernels_on_meta())
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa")
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if config.gradient_checkpointing:
-            models.enable_gradient_checkpointing(model)
-        policy, reference = models.make_policy(
-            model,
-            full_finetune=config.full_finetune,
-            lora_rank=config.lora_rank,
-            lora_alpha=config.lora_alpha,
-            with_reference=step.needs_reference(config),
-        )
-        optimizer, _ = models.make_optimizer(policy, config.lr, config.weight_decay, 10, 1)
-        trained = [p for p in policy.parameters() if p.requires_grad]
-        for parameter in trained:  # a step after the first: AdamW's moments exist
-            parameter.grad = torch.zeros_like(parameter)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        counter = LiveStorages(device)
-        held_models = [policy] + ([reference] if reference is not None else [])
-        for tensor in (t for m in held_models for t in [*m.parameters(), *m.buffers()]):
-            counter.add(tensor, "weights")
-        weights = counter.total
-        for state in optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.device.type == device:
-                    counter.add(value, "AdamW state")
-        resident = counter.total
-        sequences = config.prompts_per_step * config.rollouts
-        count = min(sequences, 2 * config.micro_batch_size)  # the peak comes by the second
-        rollouts = step_rollouts(config, model_config.get_text_config().vocab_size, count, step)
-        rewards = torch.arange(sequences, dtype=torch.float32) % 2
-        advantages = step.compute_advantages(rewards, config.rollouts, config.loss.advantage)
-        generator = torch.Generator().manual_seed(0)
-        with counter:
-            batches = step.micro_batches(rollouts, config, pad_id=0, device=device)
-            held = [
-                step.held_fixed_logps(
-                    policy, reference, batch=batch, config=config, step=0, generator=generator
-                )
-                for _, batch in batches
-            ]
-            step.update_policy(
-                policy,
-                optimizer,
-                batches=batches,
-                held=held,
-                advantages=advantages,
-                config=config,
-                step=0,
-                generator=generator,
-            )
-        return {
-            "weights": weights,
-            "resident": resident,
-            "peak": counter.peak,
-            "peak_op": counter.peak_op,
-        }
 
 
 # --------------------------------------------------------------------------------------------
@@ -740,7 +494,9 @@ def update_bytes(model_config, config, dtype, step: TrainerStep, simulate: bool)
     """The update step's bytes: simulated on the meta device (``simulate_update``, seconds to a
     minute) or by the formula (``estimate_update_peak``, at once)."""
     if simulate:
-        return simulate_update(model_config, config, dtype, step)
+        from machinery import memory_sim
+
+        return memory_sim.simulate_update(model_config, config, dtype, step)
     return estimate_update_peak(model_config, config, dtype, step.needs_reference(config))
 
 
@@ -785,13 +541,13 @@ def plan(
     """The forecast of a run on a card of ``card_bytes``: the update's peak, the engine's share,
     the run's peak, the verdict, and (``search``) the largest micro-batch that fits. The update
     is simulated (``simulate``) or taken from the formula, whose peak the plan reports either
-    way; ``update``: this config's ``simulate_update``, if made already (one simulation serves
-    every card)."""
+    way; ``update``: this config's ``memory_sim.simulate_update``, if made already (one
+    simulation serves every card)."""
     model_config = read_model_config(config.model)
     dtype = trainer_dtype(config, "cuda")
     formula = update_bytes(model_config, config, dtype, step, simulate=False)
     if update is None:
-        update = simulate_update(model_config, config, dtype, step) if simulate else formula
+        update = update_bytes(model_config, config, dtype, step, simulate) if simulate else formula
     engine, engine_reason = engine_share(model_config, config, card_bytes, update["resident"])
     usable = int((1 - GPU_HEADROOM) * card_bytes)
     sampling = hf_sampling(model_config, config, dtype)

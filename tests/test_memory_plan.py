@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 import evaluate
 import sage
-from machinery import engine_checks, memory_plan
+from machinery import engine_checks, memory_plan, memory_sim
 
 STEP = sage.planned_step()  # the trainer's step, as sage.start_run passes it
 
@@ -54,14 +54,14 @@ def test_the_simulated_update_peak_is_a_real_cpu_steps_within_5_percent():
     counted storage by storage: the simulation's peak is the real one within 5% (the
     activations, not the weights, make most of it)."""
     model_config, config = Qwen2Config(**TINY_SHAPE), run_config(micro_batch_size=4)
-    simulated = memory_plan.simulate_update(model_config, config, torch.float32, STEP, "meta")
-    real = memory_plan.simulate_update(model_config, config, torch.float32, STEP, "cpu")
+    simulated = memory_sim.simulate_update(model_config, config, torch.float32, STEP, "meta")
+    real = memory_sim.simulate_update(model_config, config, torch.float32, STEP, "cpu")
     assert simulated["weights"] == real["weights"]
     assert simulated["peak"] == pytest.approx(real["peak"], rel=0.05)
     assert real["peak"] > 5 * real["weights"]
 
 
-@pytest.mark.slow  # eight simulations of the 7B's update on the meta device (about 3 minutes)
+@pytest.mark.slow  # eight simulations of the 7B's update on the meta device (80 s in all)
 @pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointing", "no-checkpointing"])
 @pytest.mark.parametrize("full_finetune", [False, True], ids=["lora", "full-finetune"])
 @pytest.mark.parametrize("length", [2048, 8192])
@@ -80,7 +80,7 @@ def test_the_formula_is_the_simulated_7b_update_within_5_percent(
         gradient_checkpointing=checkpointing,
     )
     dtype = memory_plan.trainer_dtype(config, "cuda")
-    simulated = memory_plan.simulate_update(model_config, config, dtype, STEP)
+    simulated = memory_sim.simulate_update(model_config, config, dtype, STEP)
     estimate = memory_plan.estimate_update_peak(model_config, config, dtype, True)
     assert estimate["resident"] == pytest.approx(simulated["resident"], rel=1e-6)
     assert estimate["peak"] == pytest.approx(simulated["peak"], rel=0.05)
@@ -96,7 +96,7 @@ def test_the_formulas_terms_on_a_tiny_shape(full_finetune):
     model_config = Qwen2Config(**TINY_SHAPE)
     config = run_config(micro_batch_size=4, full_finetune=full_finetune)
     dtype = memory_plan.trainer_dtype(config, "cuda")
-    simulated = memory_plan.simulate_update(model_config, config, dtype, STEP)
+    simulated = memory_sim.simulate_update(model_config, config, dtype, STEP)
     estimate = memory_plan.estimate_update_peak(model_config, config, dtype, True)
     assert estimate["weights"] == pytest.approx(simulated["weights"], abs=2 * 64)
     assert estimate["resident"] == pytest.approx(simulated["resident"], abs=2 * 64)
@@ -153,7 +153,7 @@ def test_a_cuda_run_that_cannot_fit_is_refused_before_the_model_loads(
     def simulate_update(*args, **kwargs):
         raise AssertionError("the run's path simulated the update")
 
-    monkeypatch.setattr(memory_plan, "simulate_update", simulate_update)
+    monkeypatch.setattr(memory_sim, "simulate_update", simulate_update)
 
     def load_policy(*args, **kwargs):
         raise AssertionError("the model loaded")
@@ -374,7 +374,7 @@ def test_the_support_probes_count_is_a_real_cpu_probes_peak(min_p):
     model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa")
     prompts = [[(7 * i + j) % 8192 for j in range(16)] for i in range(2)]
     solutions = [[(11 * i + 3 * j) % 8192 for j in range(32)] for i in range(2)]
-    counter = memory_plan.LiveStorages("cpu")
+    counter = memory_sim.LiveStorages("cpu")
     with counter:
         evaluate.solution_logps(
             model, prompts, solutions, temperature=1.0, min_p=min_p, pad_id=0, batch_size=2
