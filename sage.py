@@ -196,7 +196,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
 def start_run(config: Config) -> tuple[str, float | None]:
     """The model's short name resolved, then <out>/<name> checked, the cheapest and most
     specific check first: a checkpoint needs --resume, a --full-finetune's weights must fit, then
-    (on CUDA) the memory plan's simulated step, whose forecast peak in GB comes back with the run
+    (on CUDA) the memory plan's estimate, whose forecast peak in GB comes back with the run
     directory (None on the CPU); seed; no write. --plan-memory prints the plan and ends the
     program first."""
     config.model = hub.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
