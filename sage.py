@@ -199,17 +199,18 @@ def parse_config(argv: list[str] | None = None) -> Config:
 def start_run(config: Config) -> tuple[str, float | None]:
     """The model's short name resolved, then <out>/<name> checked, the cheapest and most
     specific check first: a checkpoint needs --resume, a --full-finetune's weights must fit, then
-    (on CUDA) the memory plan's simulated step, whose forecast peak in GB comes back with the run
+    (on CUDA) the memory plan's estimate, whose forecast peak in GB comes back with the run
     directory (None on the CPU); seed; no write. --plan-memory prints the plan and ends the
     program first."""
     config.model = hub.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
-    step = planned_step()  # what the memory plan simulates
-    memory_plan.forecast_if_asked(config, step=step)
+    if config.extras["memory"].plan_memory:  # the forecast, then the end
+        memory_plan.print_plan(config, with_reference=needs_reference(config))
+        raise SystemExit(0)
     model = os.path.basename(config.model.rstrip("/"))
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
     flag_checks.check_run_dir(run_dir, config)
     # On CUDA a run that cannot fit ends here; one that fits gets its forecast peak
-    forecast_gb = memory_plan.before_loading(config, step=step)
+    forecast_gb = memory_plan.before_loading(config, with_reference=needs_reference(config))
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     return run_dir, forecast_gb
@@ -272,19 +273,6 @@ def reference_mode(policy, frozen_reference):
             yield policy
 
 
-def make_optimizer(model, lr: float, weight_decay: float, total_steps: int, warmup_steps: int):
-    """AdamW on the trainable parameters with linear warmup and linear decay to 0."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-
-    def schedule(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
-
 def load_policy(config: Config, base_path: str):
     """(policy, frozen reference or None, optimizer, scheduler, tokenizer): LoRA adapters on the
     model at ``base_path``, whose reference pi_ref is that model with the adapters off (no copy; a
@@ -301,7 +289,7 @@ def load_policy(config: Config, base_path: str):
         lora_alpha=config.lora_alpha,
         with_reference=needs_reference(config),
     )
-    optimizer, scheduler = make_optimizer(
+    optimizer, scheduler = models.make_optimizer(
         policy,
         lr=config.lr,
         weight_decay=config.weight_decay,
@@ -469,55 +457,14 @@ def collect_rollouts(
 # ---- The update: held-fixed log-probs, the guide's log q, advantages, the loss -----------------
 
 
-def collate(
-    prompts: list[list[int]], completions: list[list[int]], pad_id: int, device, group_size: int = 1
-) -> dict:
-    """Left-padded prompts + right-padded completions in one [B, P + C] batch, so that every
-    completion starts at the same column and its log-probs come out as one [B, C] block.
-
-    position_ids count real tokens only, so a left-padded row sees the positions the engine saw.
-    With ``group_size`` > 1, rows that come in groups sharing one prompt (GRPO's G completions of
-    a prompt) are marked so, and ``completion_logps`` runs each prompt through the model once.
-
-    >>> batch = collate([[5, 6], [7]], [[8], [9, 10]], pad_id=0, device="cpu")
-    >>> batch["input_ids"].tolist(), batch["completion_mask"].tolist()
-    ([[5, 6, 8, 0], [0, 7, 9, 10]], [[1.0, 0.0], [1.0, 1.0]])
-    >>> batch["position_ids"].tolist()
-    [[0, 1, 2, 2], [0, 0, 1, 2]]
-    """
-    prompt_len = max(map(len, prompts))
-    completion_len = max(1, max(map(len, completions)))
-    batch = len(prompts)
-    input_ids = torch.full((batch, prompt_len + completion_len), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    completion_mask = torch.zeros(batch, completion_len)
-    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
-        start, end = prompt_len - len(prompt), prompt_len + len(completion)
-        input_ids[row, start:prompt_len] = torch.tensor(prompt)
-        input_ids[row, prompt_len:end] = torch.tensor(completion, dtype=torch.long)
-        attention_mask[row, start:end] = 1
-        completion_mask[row, : len(completion)] = 1
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-    shared = group_size > 1 and batch % group_size == 0
-    shared = shared and all(prompts[row] == prompts[row - row % group_size] for row in range(batch))
-    return {
-        "group_size": group_size if shared else 1,
-        "input_ids": input_ids.to(device),
-        "attention_mask": attention_mask.to(device),
-        "position_ids": position_ids.to(device),
-        "completion_ids": input_ids[:, prompt_len:].to(device),  # [B, C]
-        "completion_mask": completion_mask.to(device),  # [B, C]
-    }
-
-
 def micro_batches(rollouts: Rollouts, config: Config, pad_id: int, device) -> list:
-    """[(rows, batch)] per micro-batch: the batch as ``collate`` makes it [B, P + C], plus the
+    """[(rows, batch)] per micro-batch: the batch as ``loss.collate`` makes it [B, P + C], plus the
     engine's log-probs [B, C]."""
     total, size = len(rollouts.completion_ids), config.micro_batch_size
     result = []
     for start in range(0, total, size):
         rows = list(range(start, min(start + size, total)))
-        batch = collate(
+        batch = loss.collate(
             [rollouts.prompt_ids[i] for i in rows],
             [rollouts.completion_ids[i] for i in rows],
             pad_id=pad_id,
@@ -617,6 +564,29 @@ def step_advantages(rewards: torch.Tensor, batches: list, held: list, config: Co
     return loss.compute_advantages(returns, config.rollouts, kind=config.loss.advantage)
 
 
+class StepMetrics:
+    """Metrics over a step's micro-batches: row-weighted means, and the extremes of the "*min" /
+    "*max" keys over the whole step."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.extremes: dict[str, float] = {}
+        self.rows = 0
+
+    def add(self, metrics: dict[str, float], rows: int) -> None:
+        self.rows += rows
+        for key, value in metrics.items():
+            if key.endswith("min"):
+                self.extremes[key] = min(self.extremes.get(key, value), value)
+            elif key.endswith("max"):
+                self.extremes[key] = max(self.extremes.get(key, value), value)
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + value * rows
+
+    def result(self) -> dict[str, float]:
+        return {**{key: value / self.rows for key, value in self.sums.items()}, **self.extremes}
+
+
 def update_policy(
     policy, optimizer, batches, held, advantages, config: Config, step: int, generator
 ) -> dict:
@@ -628,7 +598,7 @@ def update_policy(
     if config.ppo_epochs > 1 and any(fixed.old_logps is None for fixed in held):
         raise ValueError("--ppo-epochs > 1 needs pi_old's log-probs held before the first pass")
     policy.train()
-    metrics, device = runs.StepMetrics(), next(policy.parameters()).device
+    metrics, device = StepMetrics(), next(policy.parameters()).device
     total_rows = sum(len(rows) for rows, _ in batches)
     step_tokens = float(sum(batch["completion_mask"].sum().item() for _, batch in batches))
     constant_q = config.guide.name in ("branch", "random")  # q is one number per position
@@ -679,18 +649,6 @@ def update_policy(
     return {**metrics.result(), "grad_norm": sum(grad_norms) / len(grad_norms)}
 
 
-def planned_step() -> memory_plan.TrainerStep:
-    """The step the memory plan simulates (machinery/memory_plan.py): this chapter's functions."""
-    return memory_plan.TrainerStep(
-        rollouts=Rollouts,
-        needs_reference=needs_reference,
-        micro_batches=micro_batches,
-        held_fixed_logps=held_fixed_logps,
-        compute_advantages=loss.compute_advantages,
-        update_policy=update_policy,
-    )
-
-
 # ---- main(): the run, stage by stage -----------------------------------------------------------
 
 
@@ -701,7 +659,7 @@ def main(argv: list[str] | None = None) -> dict:
     if config.extras["sft"].sft_dataset:
         from extras import sft
 
-        base_path = sft.warm_start(config, run_dir)
+        base_path = sft.warm_start(config, run_dir, wrap_lora=wrap_lora)
     # ---- the policy and its reference, the problems, the optimizer, the engine ----
     policy, reference, optimizer, scheduler, tokenizer = load_policy(config, base_path)
     problems = load_problems(config, tokenizer)
@@ -712,17 +670,14 @@ def main(argv: list[str] | None = None) -> dict:
     held_out = evaluate.training_benchmarks(config)  # what --eval-every evaluates
     runs.save_run_config(run_dir, config)  # the run can start: model, data and reward loaded
     start = runs.restore_or_start(config.resume, run_dir, state=state)
-    logger = trackers.RunLogger(
-        config,
-        run_dir,
-        tokenizer=tokenizer,
-        benchmarks=held_out,
-        evaluation=evaluate.training_evaluation,
-        forecast_gb=forecast_gb,
-    )
+    logger = trackers.RunLogger(config, run_dir, forecast_gb=forecast_gb)
     engine = start_engine(config, base_path, policy=policy, reference=reference)
-    # pass@k (and the support probe) of the starting policy
-    logger.evaluate(engine, updates=start, first=True, policy=policy)
+    # pass@k (and the support probe) of the starting policy, unless a resumed run has it already
+    if start == 0 and evaluate.due(config, held_out, updates=0):
+        rows = evaluate.training_evaluation(
+            engine, tokenizer, held_out, config, updates=0, policy=policy
+        )
+        logger.log_evaluation(rows)
     with tqdm(desc="rl", initial=start, total=config.steps) as progress:
         for step in range(start, config.steps):
             timer = runs.PhaseTimer()
@@ -783,7 +738,11 @@ def main(argv: list[str] | None = None) -> dict:
                 lr=scheduler.get_last_lr()[0],
                 progress=progress,
             )
-            logger.evaluate(engine, updates=step + 1, policy=policy)
+            if evaluate.due(config, held_out, updates=step + 1):
+                rows = evaluate.training_evaluation(
+                    engine, tokenizer, held_out, config, updates=step + 1, policy=policy
+                )
+                logger.log_evaluation(rows)
             progress.update()
             # 7. checkpoint (and --stop-after)
             if runs.checkpoint_if_due(run_dir, step, start=start, config=config, state=state):

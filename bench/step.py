@@ -27,6 +27,7 @@ import loss  # noqa: E402
 import sage  # noqa: E402
 from bench import common  # noqa: E402
 from extras import demo  # noqa: E402
+from machinery import models  # noqa: E402
 
 
 def make_rollouts(
@@ -86,7 +87,7 @@ def main():
         max_position_embeddings=1024,
     )
     policy = sage.wrap_lora(model, rank=8, alpha=16)
-    optimizer, _ = sage.make_optimizer(policy, 1e-6, 0.01, 1000, 10)
+    optimizer, _ = models.make_optimizer(policy, 1e-6, 0.01, 1000, 10)
     rollouts, rewards = make_rollouts(
         args.prompts,
         args.rollouts,

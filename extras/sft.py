@@ -34,11 +34,12 @@ def sft(
     ``config`` (a ``sage.Config``) gives the seed of the example order, AdamW's weight decay and
     the clipping norm; ``settings`` the epochs, learning rate, batch size and warmup.
     """
-    from sage import collate, make_optimizer
+    from loss import collate
+    from machinery import models
 
     device = next(model.parameters()).device
     total_steps = settings.sft_epochs * math.ceil(len(pairs) / settings.sft_batch_size)
-    optimizer, scheduler = make_optimizer(
+    optimizer, scheduler = models.make_optimizer(
         model, settings.sft_lr, config.weight_decay, total_steps, settings.sft_warmup_steps
     )
     rng, losses = random.Random(config.seed), []
@@ -66,13 +67,13 @@ def sft(
     return losses
 
 
-def warm_start(config, run_dir: str) -> str:
-    """SFT with LoRA, merged into the base and saved as <run>/sft_model; returns its path.
+def warm_start(config, run_dir: str, wrap_lora) -> str:
+    """SFT with LoRA (``wrap_lora``: sage.py's), merged into the base and saved as
+    <run>/sft_model; returns its path.
 
     On --resume the saved model is reused. <run>/sft_stats.json records how many examples were
     kept and how many dropped (a non-numeric answer, or longer than --sft-max-tokens).
     """
-    import sage
     from machinery import models, runs
     from machinery.data import load_rows, sft_examples, tokenize_sft_examples
 
@@ -98,7 +99,7 @@ def warm_start(config, run_dir: str) -> str:
         f"sft: {stats['kept']} examples of at most {max_tokens} tokens "
         f"({stats['dropped_too_long']} longer ones and {not_numeric} non-numeric ones dropped)"
     )
-    model = sage.wrap_lora(model, config.lora_rank, config.lora_alpha)
+    model = wrap_lora(model, config.lora_rank, config.lora_alpha)
     sft(model, pairs, tokenizer.pad_token_id, settings, config)
     final = runs.save_model_atomic(model.merge_and_unload(), tokenizer, final)
     if settings.sft_only:  # Table 1's recipe: one SFT model, the base of every RL row

@@ -8,8 +8,9 @@
 * On the CPU, freed activations stay with the process for the next micro-batch
   (``keep_freed_memory``) instead of going back to the kernel and faulting in again,
   zero-filled, at their next use.
-* Fine-tuning every weight is refused up front when it cannot fit the device. (The policy, its
-  reference pi_ref and the optimizer are made in sage.py.)
+* AdamW with linear warmup and linear decay (App. E, Table 8). Fine-tuning every weight is
+  refused up front when it cannot fit the device. (The policy and its reference pi_ref are made
+  in sage.py.)
 """
 
 from __future__ import annotations
@@ -110,6 +111,19 @@ def load_base_model(
     if torch.device(device).type == "cpu":
         keep_freed_memory()
     return model.to(device), tokenizer
+
+
+def make_optimizer(model, lr: float, weight_decay: float, total_steps: int, warmup_steps: int):
+    """AdamW on the trainable parameters with linear warmup and linear decay to 0."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+    def schedule(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 def resident_bytes(*models) -> int:

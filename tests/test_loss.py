@@ -900,8 +900,8 @@ def test_left_padding_does_not_change_log_probs(tiny):
     model, tokenizer = tiny
     prompt = tokenizer("What is 3 + 4?")["input_ids"]
     completion = tokenizer("<start_working_out>3+4=7")["input_ids"]
-    alone = sage.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
-    padded = sage.collate(
+    alone = loss.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
+    padded = loss.collate(
         [[1, 2, 3, 4, 5] + prompt, prompt],
         [completion[:3], completion],
         tokenizer.pad_token_id,
@@ -918,7 +918,7 @@ def test_left_padding_does_not_change_log_probs(tiny):
 def test_completion_logps_match_a_full_forward(tiny):
     model, tokenizer = tiny
     prompt, completion = tokenizer("Add 2 and 5.")["input_ids"], tokenizer("2+5=7")["input_ids"]
-    batch = sage.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
+    batch = loss.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
     with torch.no_grad():
         logps, _ = loss.completion_logps(model, batch, 0.7, 0.05)
         logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1] / 0.7
@@ -969,7 +969,7 @@ def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(ti
             completions.append([rng.randrange(5, 300) for _ in range(rng.randint(1, 9))])
     results = []
     for group_size in (1, 4):
-        batch = sage.collate(prompts, completions, 0, "cpu", group_size=group_size)
+        batch = loss.collate(prompts, completions, 0, "cpu", group_size=group_size)
         assert batch["group_size"] == group_size
         results.append(logps_entropies_and_gradients(model, batch))
     mask = batch["completion_mask"].bool()
@@ -979,7 +979,7 @@ def test_a_shared_prompt_gives_the_log_probs_and_gradients_of_separate_copies(ti
     for got, expected in zip(grads, plain_grads):
         torch.testing.assert_close(got, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
     assert (
-        sage.collate(prompts[1:] + prompts[:1], completions, 0, "cpu", group_size=4)["group_size"]
+        loss.collate(prompts[1:] + prompts[:1], completions, 0, "cpu", group_size=4)["group_size"]
         == 1
     )
 
@@ -991,7 +991,7 @@ def test_the_fast_path_and_the_definition_give_the_same_logps_and_gradients(tiny
     model = perturbed_lora(tiny)
     prompts = [[11, 12, 13, 14, 15]] * 4 + [[21, 22, 23]] * 4
     completions = [[30 + i, 40 + i, 50 + i][: 1 + i % 3] for i in range(8)]
-    batch = sage.collate(prompts, completions, 0, "cpu", group_size=group_size)
+    batch = loss.collate(prompts, completions, 0, "cpu", group_size=group_size)
     assert batch["group_size"] == group_size
     results = [logps_entropies_and_gradients(model, batch, fast=fast) for fast in (True, False)]
     mask = batch["completion_mask"].bool()

@@ -36,7 +36,7 @@ def test_gradient_checkpointing_keeps_the_lora_gradient(tmp_path, monkeypatch):
             tokenizer("What is 3 + 4?")["input_ids"],
             tokenizer("3+4=7")["input_ids"],
         )
-        batch = sage.collate(
+        batch = loss.collate(
             [prompt, prompt[2:]], [completion, completion[:3]], tokenizer.pad_token_id, "cpu"
         )
         logps, _ = loss.completion_logps(policy, batch, 1.0, 0.0)

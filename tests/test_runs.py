@@ -6,13 +6,12 @@ import os
 import pytest
 import torch
 
-import sage
-from machinery import runs
+from machinery import models, runs
 
 
 def test_checkpoint_write_is_atomic(tmp_path, tiny, monkeypatch):
     model, _ = tiny
-    optimizer, scheduler = sage.make_optimizer(model, 1e-3, 0.0, 10, 1)
+    optimizer, scheduler = models.make_optimizer(model, 1e-3, 0.0, 10, 1)
     state = {
         "step": 1,
         "sampler": {"epoch": 0, "position": 3},

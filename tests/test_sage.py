@@ -313,7 +313,7 @@ def test_plain_grpo_anchors_to_the_full_softmax_reference(tiny):
     the kept tokens: an implicit guide q = 1 / M_ref >= 1, M_ref the reference mass min-p keeps."""
     model, tokenizer = tiny
     prompt, completion = tokenizer("What is 3 + 4?")["input_ids"], tokenizer("3+4=7")["input_ids"]
-    batch = sage.collate(
+    batch = loss.collate(
         [prompt, prompt[1:]], [completion, completion[:4]], tokenizer.pad_token_id, "cpu"
     )
     batch["engine_logps"] = torch.zeros_like(batch["completion_mask"])
@@ -354,7 +354,7 @@ def test_loss_distribution_sets_what_the_policy_log_probs_and_the_guide_read(tin
     too. The reference stays the full softmax either way (unless --reference-min-p)."""
     model, tokenizer = tiny
     prompt, completion = tokenizer("What is 3 + 4?")["input_ids"], tokenizer("3+4=7")["input_ids"]
-    batch = sage.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
+    batch = loss.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
     batch["engine_logps"] = torch.zeros_like(batch["completion_mask"])
     with torch.no_grad():
         logits = fast_logprobs.completion_logits(model, batch)  # [1, C, V]
@@ -391,7 +391,7 @@ def test_guide_entropy_reference_takes_q_from_the_reference_pass(tiny):
     reference, tokenizer = tiny
     policy = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=5)
     prompt, completion = tokenizer("What is 3 + 4?")["input_ids"], tokenizer("3+4=7")["input_ids"]
-    batch = sage.collate([prompt, prompt], [completion, completion[:3]], 0, "cpu")
+    batch = loss.collate([prompt, prompt], [completion, completion[:3]], 0, "cpu")
     batch["engine_logps"] = torch.zeros_like(batch["completion_mask"])
     mask = batch["completion_mask"]
     held = {}
