@@ -37,7 +37,6 @@ import loss
 import rollout
 from machinery import cli, fast_logprobs, flag_checks, hub
 from machinery import results as files
-from machinery.batches import collate
 from machinery.data import DataError, resolve_benchmarks
 from machinery.runs import write_json_atomic
 from machinery.task import (
@@ -339,6 +338,19 @@ def training_benchmarks(config) -> dict:
     return benchmarks
 
 
+def due(config, benchmarks: dict, updates: int) -> bool:
+    """Whether a sage.py run evaluates after ``updates`` optimizer steps: before the first, every
+    --eval-every steps and after the last, when it has benchmarks.
+
+    >>> from types import SimpleNamespace as Config
+    >>> config = Config(eval=Config(eval_every=50), steps=120)
+    >>> [due(config, {"aime": []}, updates) for updates in (0, 49, 50, 120)]
+    [True, False, True, True]
+    """
+    every = config.eval.eval_every
+    return bool(benchmarks) and every > 0 and (updates % every == 0 or updates == config.steps)
+
+
 def training_evaluation(
     engine, tokenizer, benchmarks: dict, config, updates: int, policy=None
 ) -> list[dict]:
@@ -462,7 +474,7 @@ def solution_logps(
     results = []
     for start in range(0, len(prompts), batch_size):
         rows = slice(start, start + batch_size)
-        batch = collate(prompts[rows], completions[rows], pad_id, device)
+        batch = loss.collate(prompts[rows], completions[rows], pad_id, device)
         completion_ids, mask = batch["completion_ids"], batch["completion_mask"]  # [B, C]
         logits = fast_logprobs.completion_logits(model, batch)  # [B, C, V]
         logps, entropies_kept = loss.token_logps_and_entropies(

@@ -40,8 +40,9 @@ NORMALIZATIONS = ("percentile", "rank", "sigmoid")
 class GuideConfig:
     """Parameters of every guide; the defaults are the paper's (section 4.3, App. D)."""
 
-    name: str = field(default="none", metadata={"flag": "guide"})
-    """none | random (Eq. 9) | token (Eq. 10) | branch (Eq. 11)."""
+    name: str = field(default="branch", metadata={"flag": "guide"})
+    """branch (Eq. 11, the paper's main variant) | token (Eq. 10) | random (Eq. 9) | none
+    (GRPO's anchor pi_ref)."""
     q_min: float = 0.6
     """Guide clamp, lower (paper: 0.6)."""
     q_max: float = 1.4

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 from machinery import fast_logprobs
-from machinery.checks import check_loss_config, check_policy_loss_inputs
-from machinery.loss_metrics import loss_metrics
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "bnpo")
 KL_MODES = ("reverse", "forward", "none")
@@ -61,9 +59,50 @@ def token_logps_and_entropies(
     return log_probs.gather(-1, token_ids[..., None]).squeeze(-1), entropies.detach()
 
 
+def collate(
+    prompts: list[list[int]], completions: list[list[int]], pad_id: int, device, group_size: int = 1
+) -> dict:
+    """Left-padded prompts + right-padded completions in one [B, P + C] batch, so that every
+    completion starts at the same column and its log-probs come out as one [B, C] block.
+
+    position_ids count real tokens only, so a left-padded row sees the positions the engine saw.
+    With ``group_size`` > 1, rows that come in groups sharing one prompt (GRPO's G completions of
+    a prompt) are marked so, and ``completion_logps`` runs each prompt through the model once.
+
+    >>> batch = collate([[5, 6], [7]], [[8], [9, 10]], pad_id=0, device="cpu")
+    >>> batch["input_ids"].tolist(), batch["completion_mask"].tolist()
+    ([[5, 6, 8, 0], [0, 7, 9, 10]], [[1.0, 0.0], [1.0, 1.0]])
+    >>> batch["position_ids"].tolist()
+    [[0, 1, 2, 2], [0, 0, 1, 2]]
+    """
+    prompt_len = max(map(len, prompts))
+    completion_len = max(1, max(map(len, completions)))
+    batch = len(prompts)
+    input_ids = torch.full((batch, prompt_len + completion_len), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    completion_mask = torch.zeros(batch, completion_len)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        start, end = prompt_len - len(prompt), prompt_len + len(completion)
+        input_ids[row, start:prompt_len] = torch.tensor(prompt)
+        input_ids[row, prompt_len:end] = torch.tensor(completion, dtype=torch.long)
+        attention_mask[row, start:end] = 1
+        completion_mask[row, : len(completion)] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+    shared = group_size > 1 and batch % group_size == 0
+    shared = shared and all(prompts[row] == prompts[row - row % group_size] for row in range(batch))
+    return {
+        "group_size": group_size if shared else 1,
+        "input_ids": input_ids.to(device),
+        "attention_mask": attention_mask.to(device),
+        "position_ids": position_ids.to(device),
+        "completion_ids": input_ids[:, prompt_len:].to(device),  # [B, C]
+        "completion_mask": completion_mask.to(device),  # [B, C]
+    }
+
+
 def completion_logps(model, batch: dict, temperature: float, min_p: float, fast: bool = True):
     """``token_logps_and_entropies`` of a batch's completions under ``model``, [B, C] (the batch:
-    machinery/batches.py's ``collate``, left-padded prompts and right-padded completions).
+    ``collate``'s, left-padded prompts and right-padded completions).
 
     Two paths give the same numbers and gradients (tests/test_loss.py holds them equal), as
     nanoGPT keeps its flash and its manual attention. A run takes the fast one unless
@@ -302,14 +341,25 @@ class LossConfig:
     """dr_grpo's constant divisor, the sampler's max_tokens; set by the trainer, not a flag."""
 
     def __post_init__(self):
+        """One line, naming the flag, for a setting the loss cannot run."""
         choices = {
-            "advantage": ADVANTAGES,
-            "aggregation": AGGREGATIONS,
-            "kl": KL_MODES,
-            "kl_estimator": KL_ESTIMATORS,
-            "distribution": DISTRIBUTIONS,
+            "--advantage": (self.advantage, ADVANTAGES),
+            "--loss-agg": (self.aggregation, AGGREGATIONS),
+            "--kl": (self.kl, KL_MODES),
+            "--kl-estimator": (self.kl_estimator, KL_ESTIMATORS),
+            "--loss-distribution": (self.distribution, DISTRIBUTIONS),
         }
-        check_loss_config(self, choices=choices)
+        for flag, (value, allowed) in choices.items():
+            if value not in allowed:
+                raise ValueError(f"unknown {flag} {value!r}: choose one of {', '.join(allowed)}")
+        if not (0.0 <= self.eps_low < 1.0 and self.eps_high >= 0.0):
+            raise ValueError(
+                "the clip range [1 - eps_low, 1 + eps_high] needs 0 <= eps_low < 1 and "
+                f"eps_high >= 0 (--eps-low, --eps-high); got {self.eps_low}, {self.eps_high}"
+            )
+        for flag, value in (("--beta", self.beta), ("--tis-cap", self.tis_cap)):
+            if not (math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"{flag} must be finite and >= 0, got {value}")
 
 
 @dataclass
@@ -333,12 +383,21 @@ def policy_loss(
     logps [B, C] is log pi_theta(y_t), the only input with a gradient; advantages [B] come from
     ``compute_advantages``; completion_mask [B, C] is 1 on completion tokens; step_tokens counts
     the completion tokens of the optimizer step (dapo). Returns (loss, metrics as floats); the
-    caller adds the guide's offset (machinery/loss_metrics.py ``anchor_offset``) where q is one
-    number per position.
+    caller adds the guide's offset (``anchor_offset``) where q is one number per position. A
+    NaN in the inputs surfaces as a non-finite loss, which the trainer refuses.
     """
-    check_policy_loss_inputs(
-        logps, advantages, completion_mask=completion_mask, fixed=fixed, config=config
-    )
+    shape = completion_mask.shape  # [B, C]
+    assert completion_mask.dim() == 2 and completion_mask.sum() > 0, "no completion token"
+    assert advantages.shape == shape[:1], f"advantages {tuple(advantages.shape)}, not [B]"
+    assert fixed.old_logps is not None, "old_logps: pi_old's (logps.detach() on-policy)"
+    for name in ("old_logps", "ref_logps", "log_q", "entropies", "engine_logps"):
+        tensor = getattr(fixed, name)
+        assert tensor is None or tensor.shape == shape, f"{name} {tuple(tensor.shape)}, not [B, C]"
+    anchored = config.kl != "none" and config.beta != 0.0
+    assert not anchored or fixed.ref_logps is not None, "the anchor needs ref_logps"
+    if config.tis_cap > 0:
+        assert fixed.engine_logps is not None, "--tis-cap needs the engine's log-probs"
+        assert fixed.importance_weights is None, "importance weights from --tis-cap or given"
     importance = fixed.importance_weights
     if config.tis_cap > 0:  # truncated importance sampling: min(pi_old / pi_engine, C)
         importance = torch.exp(fixed.old_logps - fixed.engine_logps).clamp(max=config.tis_cap)
@@ -357,7 +416,7 @@ def policy_loss(
     )
     per_token = surrogate if importance is None else surrogate * importance  # [B, C]
     anchor_logps = None
-    if config.kl != "none" and config.beta != 0.0:
+    if anchored:
         # The anchor is log p~ = log pi_ref + log q (Eqs. 5, 8); GRPO's is log pi_ref.
         anchor_logps = ref_logps + (log_q if log_q is not None else 0.0)  # SAGE: log q enters
         penalty = anchor_penalty(logps, anchor_logps, kl=config.kl, estimator=config.kl_estimator)
@@ -380,3 +439,55 @@ def policy_loss(
         config=config,
     )
     return loss, {"loss": loss.item(), **metrics}
+
+
+# ---- What the loss logs ----------------------------------------------------------------------
+
+
+def loss_metrics(logps, advantages, mask, held: HeldFixed, anchor_logps, config: LossConfig):
+    """Clip fractions, entropy, KL estimates and q statistics of ``policy_loss``, no gradient.
+
+    kl/ref_k3 estimates KL(pi || pi_ref) with the penalty's own k3 (``anchor_penalty``).
+    kl/anchor_k3, k3 against p~, has the expectation KL(pi || pi_ref) + Z - 1 - E_pi[log q],
+    with Z = E_ref[q] the anchor's mass at a position (``anchor_offset``).
+    """
+
+    def mean(x):  # over the completion tokens
+        return ((x * mask).sum() / mask.sum()).item()
+
+    ratio, sign = torch.exp(logps - held.old_logps), advantages[:, None].expand_as(logps)
+    low = (ratio < 1.0 - config.eps_low) & (sign < 0)  # clipped from below, A < 0
+    high = (ratio > 1.0 + config.eps_high) & (sign > 0)
+    metrics = {f"clip_ratio/{k}": mean(v.float()) for k, v in (("low", low), ("high", high))}
+    metrics["clip_ratio/region"] = mean((low | high).float())
+    if held.entropies is not None:
+        metrics["entropy"] = mean(held.entropies)
+    if held.ref_logps is not None:  # the true reverse KL, against pi_ref
+        metrics["kl/ref_k3"] = mean(anchor_penalty(logps, held.ref_logps, "reverse", "k3"))
+    if anchor_logps is not None:
+        metrics["kl/anchor_k3"] = mean(anchor_penalty(logps, anchor_logps, "reverse", "k3"))
+    if held.log_q is not None:
+        log_q, q, valid = held.log_q, held.log_q.exp(), mask.bool()
+        metrics["q/mean"], metrics["q/min"] = mean(q), q[valid].min().item()
+        metrics["q/max"] = q[valid].max().item()
+        metrics["q/frac_active"] = mean((log_q != 0).float())
+    return metrics
+
+
+def anchor_offset(log_q, mask, q_constant: bool) -> dict:
+    """kl/anchor_offset, q - 1 - log q over the completion tokens: kl/anchor_k3's offset from
+    KL(pi || pi_ref) where q is one number over the vocabulary at a position (``q_constant``:
+    branch, random); {} elsewhere (the token guide's is not defined: q of unsampled tokens) and
+    without a guide. The callers of ``policy_loss`` add it to its metrics.
+
+    log_q, mask: [B, C].
+
+    >>> anchor_offset(torch.tensor([[math.log(2.0), 0.0]]), torch.ones(1, 2), q_constant=True)
+    {'kl/anchor_offset': 0.1534264087677002}
+    """
+    if log_q is None or not q_constant:
+        return {}
+    log_q = log_q.detach().masked_fill(~mask.bool(), 0.0)
+    mask = mask.float()
+    offset = ((log_q.exp() - 1.0 - log_q) * mask).sum() / mask.sum()
+    return {"kl/anchor_offset": offset.item()}

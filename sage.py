@@ -1,7 +1,8 @@
 """SAGE trainer: GRPO whose reverse-KL anchor pi_ref is reshaped by a guide q (arXiv 2605.18864).
 
-    python sage.py --model Qwen/Qwen2.5-Math-7B      # the paper's run (section 5.1, App. E)
-    make demo                                         # a tiny model on a CPU (extras/demo.py)
+    python sage.py --model Qwen/Qwen2.5-Math-7B               # SAGE: GRPO + branch guide, k3
+    python sage.py --model Qwen/Qwen2.5-Math-7B --guide none  # plain GRPO (section 5.1)
+    make demo                                                 # a tiny model on a CPU
 
 One optimizer step of ``main()`` (section 5, App. E): prompts -> G rollouts each (rollout.py)
 -> rewards -> the log-probs held fixed in the update (pi_ref's) -> advantages (loss.py) -> per
@@ -9,13 +10,15 @@ micro-batch, the guide's log q (guides.py, Eqs. 9-12) and the loss, a clipped su
 beta times the pseudo-KL against p~ = pi_ref * q (Eqs. 3-8) -> AdamW -> weight push -> log ->
 checkpoint. ``grep -n "# SAGE:" *.py`` lists every place where SAGE departs from GRPO. Left out,
 each behind its flag (extras/): the SFT warm start (App. E.2), DAPO's dynamic sampling,
-self-hints. What every step runs on is imported from machinery/ below: ``collate`` (the padded
-batch), ``models.reference_mode`` (pi_ref), the weight push and the reward. Deviations:
-docs/deviations.md.
+self-hints. The padded batch (``collate``) and pi_ref (``reference_mode``) are here, the weight
+push in rollout.py; from machinery/ come the reward, the model's loading and the run's files.
+Deviations: docs/deviations.md.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import math
 import os
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from peft import LoraConfig, get_peft_model
 from tqdm import tqdm
 
 import evaluate
@@ -34,9 +38,7 @@ import rollout
 from evaluate import EvalConfig
 from extras.flags import DynamicSamplingConfig, HintsConfig, SFTConfig
 from machinery import cli, flag_checks, hub, memory_plan, models, runs, trackers
-from machinery.batches import collate
 from machinery.data import PromptSampler, load_rows, training_problems
-from machinery.loss_metrics import anchor_offset
 from machinery.task import build_prompt_ids, load_reward_function
 
 # ---- Configuration: one typed dataclass, a docstring per field, parsed once --------------------
@@ -176,7 +178,8 @@ EPILOG = (
 
 def parse_config(argv: list[str] | None = None) -> Config:
     """The command line -> Config: the --algo preset's flags, then the user's (which win)."""
-    argv = cli.expand_preset(sys.argv[1:] if argv is None else list(argv), PRESETS)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = cli.expand_preset(argv, PRESETS, default_guide=guides.GuideConfig.name)
     config, sections, parser = cli.parse_config(
         Config,
         argv,
@@ -196,17 +199,18 @@ def parse_config(argv: list[str] | None = None) -> Config:
 def start_run(config: Config) -> tuple[str, float | None]:
     """The model's short name resolved, then <out>/<name> checked, the cheapest and most
     specific check first: a checkpoint needs --resume, a --full-finetune's weights must fit, then
-    (on CUDA) the memory plan's simulated step, whose forecast peak in GB comes back with the run
+    (on CUDA) the memory plan's estimate, whose forecast peak in GB comes back with the run
     directory (None on the CPU); seed; no write. --plan-memory prints the plan and ends the
     program first."""
     config.model = hub.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
-    step = planned_step()  # what the memory plan simulates
-    memory_plan.forecast_if_asked(config, step=step)
+    if config.extras["memory"].plan_memory:  # the forecast, then the end
+        memory_plan.print_plan(config, with_reference=needs_reference(config))
+        raise SystemExit(0)
     model = os.path.basename(config.model.rstrip("/"))
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
     flag_checks.check_run_dir(run_dir, config)
     # On CUDA a run that cannot fit ends here; one that fits gets its forecast peak
-    forecast_gb = memory_plan.before_loading(config, step=step)
+    forecast_gb = memory_plan.before_loading(config, with_reference=needs_reference(config))
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     return run_dir, forecast_gb
@@ -235,6 +239,40 @@ def load_problems(config: Config, tokenizer) -> list[dict]:
     return fitting
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def wrap_lora(model, rank: int, alpha: int):
+    """LoRA adapters on the attention and MLP projections (paper: rank 8)."""
+    lora = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=0.0,
+        target_modules=LORA_TARGETS,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
+
+
+def make_policy(model, full_finetune: bool, lora_rank: int, lora_alpha: int, with_reference: bool):
+    """(policy, frozen_reference): LoRA adapters whose reference is the base with the adapter off
+    (no copy), or, when fine-tuning every weight, the model itself and a frozen copy (if a KL
+    anchor needs a reference)."""
+    if not full_finetune:
+        return wrap_lora(model, lora_rank, lora_alpha), None
+    return model, (copy.deepcopy(model).eval().requires_grad_(False) if with_reference else None)
+
+
+@contextlib.contextmanager
+def reference_mode(policy, frozen_reference):
+    """Yield the reference policy: the frozen copy, or the LoRA base with the adapter off."""
+    if frozen_reference is not None:
+        yield frozen_reference
+    else:
+        with policy.disable_adapter():
+            yield policy
+
+
 def load_policy(config: Config, base_path: str):
     """(policy, frozen reference or None, optimizer, scheduler, tokenizer): LoRA adapters on the
     model at ``base_path``, whose reference pi_ref is that model with the adapters off (no copy; a
@@ -244,7 +282,7 @@ def load_policy(config: Config, base_path: str):
         gradient_checkpointing=config.gradient_checkpointing,
         full_finetune=config.full_finetune,
     )
-    policy, reference = models.make_policy(
+    policy, reference = make_policy(
         model,
         full_finetune=config.full_finetune,
         lora_rank=config.lora_rank,
@@ -420,13 +458,13 @@ def collect_rollouts(
 
 
 def micro_batches(rollouts: Rollouts, config: Config, pad_id: int, device) -> list:
-    """[(rows, batch)] per micro-batch: the batch as ``collate`` makes it [B, P + C], plus the
+    """[(rows, batch)] per micro-batch: the batch as ``loss.collate`` makes it [B, P + C], plus the
     engine's log-probs [B, C]."""
     total, size = len(rollouts.completion_ids), config.micro_batch_size
     result = []
     for start in range(0, total, size):
         rows = list(range(start, min(start + size, total)))
-        batch = collate(
+        batch = loss.collate(
             [rollouts.prompt_ids[i] for i in rows],
             [rollouts.completion_ids[i] for i in rows],
             pad_id=pad_id,
@@ -468,7 +506,7 @@ def held_fixed_logps(policy, reference, batch: dict, config: Config, step: int, 
     held = loss.HeldFixed(engine_logps=batch["engine_logps"])
     guide_signals = None  # (log-probs, entropies) that the guide reads, if this pass has them
     if needs_reference(config):
-        with models.reference_mode(policy, reference) as reference_policy:
+        with reference_mode(policy, reference) as reference_policy:
             # The reference's full softmax is the anchor (the authors' too); replaying min-p there
             # would act as an implicit guide q = 1 / M_ref (docs/min-p.md).
             ref_min_p = config.min_p if config.loss.reference_min_p else 0.0
@@ -526,6 +564,29 @@ def step_advantages(rewards: torch.Tensor, batches: list, held: list, config: Co
     return loss.compute_advantages(returns, config.rollouts, kind=config.loss.advantage)
 
 
+class StepMetrics:
+    """Metrics over a step's micro-batches: row-weighted means, and the extremes of the "*min" /
+    "*max" keys over the whole step."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.extremes: dict[str, float] = {}
+        self.rows = 0
+
+    def add(self, metrics: dict[str, float], rows: int) -> None:
+        self.rows += rows
+        for key, value in metrics.items():
+            if key.endswith("min"):
+                self.extremes[key] = min(self.extremes.get(key, value), value)
+            elif key.endswith("max"):
+                self.extremes[key] = max(self.extremes.get(key, value), value)
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + value * rows
+
+    def result(self) -> dict[str, float]:
+        return {**{key: value / self.rows for key, value in self.sums.items()}, **self.extremes}
+
+
 def update_policy(
     policy, optimizer, batches, held, advantages, config: Config, step: int, generator
 ) -> dict:
@@ -537,7 +598,7 @@ def update_policy(
     if config.ppo_epochs > 1 and any(fixed.old_logps is None for fixed in held):
         raise ValueError("--ppo-epochs > 1 needs pi_old's log-probs held before the first pass")
     policy.train()
-    metrics, device = runs.StepMetrics(), next(policy.parameters()).device
+    metrics, device = StepMetrics(), next(policy.parameters()).device
     total_rows = sum(len(rows) for rows, _ in batches)
     step_tokens = float(sum(batch["completion_mask"].sum().item() for _, batch in batches))
     constant_q = config.guide.name in ("branch", "random")  # q is one number per position
@@ -567,7 +628,7 @@ def update_policy(
                 config=config.loss,
                 step_tokens=step_tokens,
             )
-            micro_metrics |= anchor_offset(fixed.log_q, mask, q_constant=constant_q)
+            micro_metrics |= loss.anchor_offset(fixed.log_q, mask, q_constant=constant_q)
             if not torch.isfinite(micro_loss):
                 raise FloatingPointError(f"the loss is {micro_loss.item()}: lower --lr or --beta")
             weight = loss.micro_batch_weight(
@@ -588,18 +649,6 @@ def update_policy(
     return {**metrics.result(), "grad_norm": sum(grad_norms) / len(grad_norms)}
 
 
-def planned_step() -> memory_plan.TrainerStep:
-    """The step the memory plan simulates (machinery/memory_plan.py): this chapter's functions."""
-    return memory_plan.TrainerStep(
-        rollouts=Rollouts,
-        needs_reference=needs_reference,
-        micro_batches=micro_batches,
-        held_fixed_logps=held_fixed_logps,
-        compute_advantages=loss.compute_advantages,
-        update_policy=update_policy,
-    )
-
-
 # ---- main(): the run, stage by stage -----------------------------------------------------------
 
 
@@ -610,7 +659,7 @@ def main(argv: list[str] | None = None) -> dict:
     if config.extras["sft"].sft_dataset:
         from extras import sft
 
-        base_path = sft.warm_start(config, run_dir)
+        base_path = sft.warm_start(config, run_dir, wrap_lora=wrap_lora)
     # ---- the policy and its reference, the problems, the optimizer, the engine ----
     policy, reference, optimizer, scheduler, tokenizer = load_policy(config, base_path)
     problems = load_problems(config, tokenizer)
@@ -621,18 +670,15 @@ def main(argv: list[str] | None = None) -> dict:
     held_out = evaluate.training_benchmarks(config)  # what --eval-every evaluates
     runs.save_run_config(run_dir, config)  # the run can start: model, data and reward loaded
     start = runs.restore_or_start(config.resume, run_dir, state=state)
-    logger = trackers.RunLogger(
-        config,
-        run_dir,
-        tokenizer=tokenizer,
-        benchmarks=held_out,
-        evaluation=evaluate.training_evaluation,
-        forecast_gb=forecast_gb,
-    )
+    logger = trackers.RunLogger(config, run_dir, forecast_gb=forecast_gb)
     with runs.CountedMemory() as engine_memory:  # CUDA: what the engine keeps in torch's counters
         engine = start_engine(config, base_path, policy=policy, reference=reference)
-    # pass@k (and the support probe) of the starting policy
-    logger.evaluate(engine, updates=start, first=True, policy=policy)
+    # pass@k (and the support probe) of the starting policy, unless a resumed run has it already
+    if start == 0 and evaluate.due(config, held_out, updates=0):
+        rows = evaluate.training_evaluation(
+            engine, tokenizer, held_out, config, updates=0, policy=policy
+        )
+        logger.log_evaluation(rows)
     with tqdm(desc="rl", initial=start, total=config.steps) as progress:
         for step in range(start, config.steps):
             timer = runs.PhaseTimer(engine=engine_memory)  # the trainer's peaks, engine left out
@@ -693,7 +739,11 @@ def main(argv: list[str] | None = None) -> dict:
                 lr=scheduler.get_last_lr()[0],
                 progress=progress,
             )
-            logger.evaluate(engine, updates=step + 1, policy=policy)
+            if evaluate.due(config, held_out, updates=step + 1):
+                rows = evaluate.training_evaluation(
+                    engine, tokenizer, held_out, config, updates=step + 1, policy=policy
+                )
+                logger.log_evaluation(rows)
             progress.update()
             # 7. checkpoint (and --stop-after)
             if runs.checkpoint_if_due(run_dir, step, start=start, config=config, state=state):

@@ -1,20 +1,20 @@
 """One update step of a Qwen2.5-Math-7B-shaped model on the GPU: its measured peak against the plan.
 
-The step is the one the memory plan simulates (``memory_plan.simulate_update``), run for real: a
-randomly initialized model built from its config (``from_config``, nothing downloaded) in the
-trainer's dtype (bf16 on CUDA), gradient checkpointing on, LoRA rank 8 as ``models.make_policy``
-wraps it, AdamW's moments made by a first step (the steady state the plan counts), then the
-first two micro-batches of a step at full length (sage.py's defaults: 4 sequences of
-``--prompt-len`` + 1,536 tokens each): ``sage.held_fixed_logps`` (the reference, the adapter
-off) and ``sage.update_policy`` (the chunked log-probs of machinery/fast_logprobs.py, the loss,
-its backward and one AdamW step). Beside it, the plan's update peak of the same config
-(``simulate_update`` on the meta device, the figure ``sage.py --plan-memory`` prints as "trainer,
-update peak"). At 256 + 1,536 tokens that figure is docs/gpu.md's 20.27 GB; at sage.py's own
-default, 512 + 1,536, it is 20.96.
+The step is the one the memory plan's check simulates (``extras.memory_sim.simulate_update``),
+run for real: a randomly initialized model built from its config (``from_config``, nothing
+downloaded) in the trainer's dtype (bf16 on CUDA), gradient checkpointing on, LoRA rank 8 as
+``sage.make_policy`` wraps it, AdamW's moments made by a first step (the steady state the plan
+counts), then the first two micro-batches of a step at full length (sage.py's defaults: 4
+sequences of ``--prompt-len`` + 1,536 tokens each): ``sage.held_fixed_logps`` (the reference,
+the adapter off) and ``sage.update_policy`` (the chunked log-probs of machinery/fast_logprobs.py,
+the loss, its backward and one AdamW step). Beside it, the plan's update peak of the same config
+(``simulate_update`` on the meta device, the figure ``python -m extras.memory_sim`` prints as
+"trainer, update peak"; the closed form the run's refusal reads beside it). At 256 + 1,536
+tokens that figure is docs/gpu.md's 20.27 GB; at sage.py's own default, 512 + 1,536, it is 20.96.
 
 Measured on CUDA: ``torch.cuda.max_memory_allocated`` over the step (the weights and AdamW states
 included, as the plan counts them), ``max_memory_reserved``, and the storages counted one by one
-as the plan counts them (``memory_plan.LiveStorages`` on the device: what the simulation would
+as the plan counts them (``memory_sim.LiveStorages`` on the device: what the simulation would
 have to match exactly, apart from the allocator). The step fails the check when its loss or
 gradient norm is not finite, when no trained weight moved, or when the measured peak exceeds the
 plan by more than the 5% of the card the plan keeps free for what it does not count.
@@ -41,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import loss  # noqa: E402
 import sage  # noqa: E402
+from extras import memory_sim  # noqa: E402
 from machinery import flag_checks, memory_plan, models  # noqa: E402
 
 DOCUMENTED_PLAN_GB = {256: 20.27}  # docs/gpu.md: the plan's update peak at 256 + 1,536 tokens
@@ -102,7 +103,7 @@ def build_policy(config, model_cfg, device: torch.device, dtype: torch.dtype):
         torch.set_default_dtype(default_dtype)
     if config.gradient_checkpointing:
         models.enable_gradient_checkpointing(model)
-    policy, reference = models.make_policy(
+    policy, reference = sage.make_policy(
         model,
         full_finetune=config.full_finetune,
         lora_rank=config.lora_rank,
@@ -120,21 +121,18 @@ def build_policy(config, model_cfg, device: torch.device, dtype: torch.dtype):
 
 def measure_step(policy, reference, optimizer, config, vocab: int, count: bool) -> dict:
     """One steady-state update on the first two micro-batches of a full-length step, as
-    ``memory_plan.simulate_update`` runs it: peak memory, time, loss, gradient norm and how far
+    ``memory_sim.simulate_update`` runs it: peak memory, time, loss, gradient norm and how far
     the trained weights moved."""
     device = next(policy.parameters()).device
     on_cuda = device.type == "cuda"
-    step = sage.planned_step()
     sequences = config.prompts_per_step * config.rollouts
-    rollouts = memory_plan.step_rollouts(
-        config, vocab, min(sequences, 2 * config.micro_batch_size), step
-    )
+    rollouts = memory_sim.step_rollouts(config, vocab, min(sequences, 2 * config.micro_batch_size))
     rewards = torch.arange(sequences, dtype=torch.float32) % 2  # every group has signal
     advantages = loss.compute_advantages(rewards, config.rollouts, config.loss.advantage)
     generator = torch.Generator().manual_seed(0)
     trained = [p for p in policy.parameters() if p.requires_grad]
     before = [p.detach().to("cpu", copy=True) for p in trained]  # off the GPU: not in its peak
-    counter = memory_plan.LiveStorages(device.type)
+    counter = memory_sim.LiveStorages(device.type)
     for tensor in (t for m in (policy, reference) if m is not None for t in m.parameters()):
         counter.add(tensor, "weights")
     for tensor in (t for m in (policy, reference) if m is not None for t in m.buffers()):
@@ -261,10 +259,12 @@ def main(argv: list[str] | None = None) -> dict:
                 torch.cuda.empty_cache()
             if not args.no_plan:  # the same step simulated, in the measured dtype
                 started = time.perf_counter()
-                simulated = memory_plan.simulate_update(
-                    model_cfg, config, dtype, sage.planned_step()
-                )
+                simulated = memory_sim.simulate_update(model_cfg, config, dtype)
                 row["plan_gb"] = _gb(simulated["peak"])
+                formula = memory_plan.estimate_update_peak(
+                    model_cfg, config, dtype, sage.needs_reference(config)
+                )
+                row["formula_gb"] = _gb(formula["peak"])
                 row["plan_s"] = round(time.perf_counter() - started, 1)
                 row["documented_plan_gb"] = (
                     None if args.tiny else DOCUMENTED_PLAN_GB.get(prompt_len)

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
     device, dtype = models.device_and_dtype()
     torch.manual_seed(0)
     model = build_model(shape, dtype, device, args.gradient_checkpointing)
-    policy = models.wrap_lora(model, rank=args.lora_rank, alpha=2 * args.lora_rank)
+    policy = sage.wrap_lora(model, rank=args.lora_rank, alpha=2 * args.lora_rank)
     optimizer, _ = models.make_optimizer(policy, 1e-6, 0.01, 1000, 10)
     rollouts, rewards = make_rollouts(
         args.prompts,

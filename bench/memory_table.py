@@ -3,7 +3,7 @@ fits and the run's forecast peak, for the paper's 7B shape (Qwen2.5-Math-7B; the
 has the same shape) and sage.py's defaults (8 x 8 sequences, prompts of up to 512 tokens, LoRA
 rank 8, gradient checkpointing).
 
-The update is simulated once per length and micro-batch (``memory_plan.simulate_update``, up
+The update is simulated once per length and micro-batch (``memory_sim.simulate_update``, up
 to a minute each at the 7B shape on a laptop CPU); each card's verdict is ``memory_plan.plan``'s
 on that simulation: a micro-batch fits when the update's peak (the engine asleep) and the
 trainer's resident bytes beside the awake engine both fit the card's usable memory.
@@ -31,16 +31,21 @@ from transformers import Qwen2Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import sage  # noqa: E402
+from extras import memory_sim  # noqa: E402
 from machinery import memory_plan  # noqa: E402
 
 
-def card_row(config, card_gb: float, updates: dict, step) -> dict:
+def card_row(config, card_gb: float, updates: dict) -> dict:
     """One card's verdict at one length: the largest simulated micro-batch whose plan fits
     (``memory_plan.plan`` on the update simulated already)."""
     for size in sorted(updates, reverse=True):
         trial = dataclasses.replace(config, micro_batch_size=size)
         result = memory_plan.plan(
-            trial, card_bytes=int(card_gb * 1e9), step=step, search=False, update=updates[size]
+            trial,
+            card_bytes=int(card_gb * 1e9),
+            with_reference=sage.needs_reference(trial),
+            search=False,
+            update=updates[size],
         )
         if result["fits"]:
             break
@@ -126,15 +131,11 @@ def main(argv=None) -> dict:
             updates = {}
             for size in micro_batches:
                 trial = dataclasses.replace(config, micro_batch_size=size)
-                updates[size] = memory_plan.simulate_update(
-                    model_config, trial, dtype, sage.planned_step()
-                )
+                updates[size] = memory_sim.simulate_update(model_config, trial, dtype)
                 gigabytes = updates[size]["peak"] / 1e9
                 print(f"length {length}, micro-batch {size}: {gigabytes:.1f} GB", flush=True)
             update_peaks[length] = {size: update["peak"] for size, update in updates.items()}
-            rows += [
-                card_row(config, card, updates=updates, step=sage.planned_step()) for card in cards
-            ]
+            rows += [card_row(config, card, updates=updates) for card in cards]
     print(markdown(rows, update_peaks))
     result = {
         "rows": rows,

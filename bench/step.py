@@ -86,7 +86,7 @@ def main():
         num_heads=args.hidden_size // 64,
         max_position_embeddings=1024,
     )
-    policy = models.wrap_lora(model, rank=8, alpha=16)
+    policy = sage.wrap_lora(model, rank=8, alpha=16)
     optimizer, _ = models.make_optimizer(policy, 1e-6, 0.01, 1000, 10)
     rollouts, rewards = make_rollouts(
         args.prompts,

@@ -25,9 +25,8 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from loss import completion_logps
+from loss import collate, completion_logps
 from machinery import cli
-from machinery.batches import collate
 from machinery.runs import atomic_output, read_jsonl, write_json_atomic
 
 matplotlib.use("Agg")
@@ -130,7 +129,7 @@ def completion_perplexities(
 ) -> list[float]:
     """Eq. 39: PPL(y | x) = exp(-(1/|y|) sum_t log pi_base(y_t | x, y_<t)) for each pair.
 
-    The forward pass is the trainer's (machinery.batches.collate + loss.completion_logps:
+    The forward pass is the trainer's (loss.collate + loss.completion_logps:
     left-padded prompts with true positions, only completion positions projected to the
     vocabulary).
     """

@@ -30,8 +30,15 @@ from machinery.engine_checks import (
     engine_error_message,
     load_model_config,
 )
-from machinery.weight_push import engine_weights, is_peft_model
-from rollout import Completion, RolloutError, SamplingConfig, group_completions, rollout_errors
+from rollout import (
+    Completion,
+    RolloutError,
+    SamplingConfig,
+    engine_weights,
+    group_completions,
+    is_peft_model,
+    rollout_errors,
+)
 
 
 def sampling_processors(sampling: SamplingConfig) -> list:

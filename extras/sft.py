@@ -34,8 +34,8 @@ def sft(
     ``config`` (a ``sage.Config``) gives the seed of the example order, AdamW's weight decay and
     the clipping norm; ``settings`` the epochs, learning rate, batch size and warmup.
     """
+    from loss import collate
     from machinery import models
-    from machinery.batches import collate
 
     device = next(model.parameters()).device
     total_steps = settings.sft_epochs * math.ceil(len(pairs) / settings.sft_batch_size)
@@ -67,8 +67,9 @@ def sft(
     return losses
 
 
-def warm_start(config, run_dir: str) -> str:
-    """SFT with LoRA, merged into the base and saved as <run>/sft_model; returns its path.
+def warm_start(config, run_dir: str, wrap_lora) -> str:
+    """SFT with LoRA (``wrap_lora``: sage.py's), merged into the base and saved as
+    <run>/sft_model; returns its path.
 
     On --resume the saved model is reused. <run>/sft_stats.json records how many examples were
     kept and how many dropped (a non-numeric answer, or longer than --sft-max-tokens).
@@ -98,7 +99,7 @@ def warm_start(config, run_dir: str) -> str:
         f"sft: {stats['kept']} examples of at most {max_tokens} tokens "
         f"({stats['dropped_too_long']} longer ones and {not_numeric} non-numeric ones dropped)"
     )
-    model = models.wrap_lora(model, config.lora_rank, config.lora_alpha)
+    model = wrap_lora(model, config.lora_rank, config.lora_alpha)
     sft(model, pairs, tokenizer.pad_token_id, settings, config)
     final = runs.save_model_atomic(model.merge_and_unload(), tokenizer, final)
     if settings.sft_only:  # Table 1's recipe: one SFT model, the base of every RL row

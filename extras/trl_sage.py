@@ -50,10 +50,11 @@ from trl import GRPOConfig, GRPOTrainer
 import guides
 import loss
 import sage
-from machinery import cli, loss_metrics, runs
+from machinery import cli, runs
 from machinery.data import DataError, load_rows, training_problems
-from machinery.models import LORA_TARGETS, attention_implementation
+from machinery.models import attention_implementation
 from machinery.task import SYSTEM_PROMPT, RewardError, build_prompt_ids, load_reward_function
+from sage import LORA_TARGETS
 
 TRL_VERSION = "1.16.0"
 """The TRL release this module is written and tested against (one private method, see above)."""
@@ -307,7 +308,7 @@ class SageGRPOTrainer(GRPOTrainer):
             global_tokens,
         )
         constant_q = self.sage.guide.name in ("branch", "random")  # q: one number per position
-        metrics |= loss_metrics.anchor_offset(log_q, mask, q_constant=constant_q)
+        metrics |= loss.anchor_offset(log_q, mask, q_constant=constant_q)
         if aggregation != "dapo":  # TRL scales its loss for accumulation (loss_is_scaled_for_ga)
             value = value / accumulation
         if self.aux_loss_enabled:

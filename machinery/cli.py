@@ -179,15 +179,20 @@ def run(main) -> None:
         sys.exit(f"error: {error}")
 
 
-def expand_preset(argv: list[str], presets: dict[str, list[str]]) -> list[str]:
+def expand_preset(
+    argv: list[str], presets: dict[str, list[str]], default_guide: str = "none"
+) -> list[str]:
     """The user's flags after their --algo preset's flags, so that the user's win. A guide acts
-    only through the KL anchor, so a preset's ``--kl none`` is dropped when a guide is set.
+    only through the KL anchor, so a preset's ``--kl none`` is dropped when a guide is on
+    (``default_guide`` when --guide is not given).
 
     >>> presets = {"b": ["--advantage", "x", "--kl", "none"]}
     >>> expand_preset(["--algo", "b", "--guide", "branch"], presets)
     ['--advantage', 'x', '--algo', 'b', '--guide', 'branch']
+    >>> expand_preset(["--algo", "b", "--guide", "none"], presets, default_guide="branch")
+    ['--advantage', 'x', '--kl', 'none', '--algo', 'b', '--guide', 'none']
     """
-    algo, guide = flag_value(argv, "--algo", "grpo"), flag_value(argv, "--guide", "none")
+    algo, guide = flag_value(argv, "--algo", "grpo"), flag_value(argv, "--guide", default_guide)
     preset = presets.get(algo, [])  # an unknown --algo: the flag checks say so
     if guide != "none" and "--kl" in preset:
         at = preset.index("--kl")

@@ -1,19 +1,12 @@
 """The GPU memory of a run, forecast before anything loads (``sage.py --plan-memory``).
 
-Only the model's config.json is read. The trainer's update is simulated: the model is built on
-PyTorch's meta device (shapes and dtypes, no values), wrapped as sage.py wraps it (LoRA or every
-weight trained, gradient checkpointing), and one step of ``sage.held_fixed_logps`` and
-``sage.update_policy`` runs on a batch of the step's shape with every prompt and completion at
-full length (the worst case). A dispatch mode adds each new storage an op returns and a finalizer
-removes it when the storage is freed, so the running total follows what CUDA's
-``max_memory_allocated`` counts. Attention is charged as CUDA's fused kernel holds it (output and
-log-sum-exp, never the [B, H, L, L] scores) and the log-prob pass takes CUDA's chunk size. Meta
-tensors hold no values, so a value the step reads answers as a healthy step would: a number
-reads 1, a check passes, and a boolean mask keeps every element.
+Only the model's config.json is read. The trainer's update is counted in closed form
+(``estimate_update_peak``, a few dozen lines of arithmetic): on CUDA the run's refusal before the
+model loads (``before_loading``) and --plan-memory read that, at once. ``python -m
+extras.memory_sim`` with a run's flags simulates the update with sage.py's own step instead and
+prints both, the formula's check (within 5% at the paper's shapes, tests/test_memory_plan.py).
 
-The step simulated is the steady state: AdamW's moments exist (a step after the first). Its
-first two micro-batches run (the later ones repeat the second's allocations; the few MB of
-held-fixed per-token values of the others are left out). Beside it:
+Beside the update:
 
 * the engine: its bf16 weights, vLLM's working memory and the KV cache of the step's sequences
   at full length, all of them or as many as fit beside the trainer (then the step samples in
@@ -33,19 +26,14 @@ is N x 10^9 bytes (an "80 GB" H100 holds 85 x 10^9: the verdict errs on the safe
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
 import math
-import weakref
-from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-from machinery import hub
+from machinery import fast_logprobs, hub
 from machinery.engine_checks import CheckError
 
 CARDS_GB = (24, 40, 48, 80, 141)
@@ -74,153 +62,6 @@ class PlanConfig:
     """The card --plan-memory judges, in GB (24, 40, 48, 80, 141; 0: this GPU, else 80)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainerStep:
-    """What the plan runs of the trainer's step, passed by sage.py as values (machinery does not
-    import the chapters): sage.py's ``Rollouts`` and the functions of one update."""
-
-    rollouts: type  # sage.Rollouts
-    needs_reference: Callable  # sage.needs_reference
-    micro_batches: Callable  # sage.micro_batches
-    held_fixed_logps: Callable  # sage.held_fixed_logps
-    compute_advantages: Callable  # loss.compute_advantages
-    update_policy: Callable  # sage.update_policy
-
-
-class LiveStorages(TorchDispatchMode):
-    """The bytes of the storages alive on one device type, and their peak, as ops create them.
-
-    On the meta device it also answers the reads of values a meta tensor does not hold."""
-
-    FALSE_ANSWERS = ("any", "eq")  # "is anything bad?" and "are these equal?" read False
-
-    def __init__(self, device_type: str):
-        super().__init__()
-        self.device_type = device_type
-        self.sizes: dict[int, int] = {}  # storage address -> bytes
-        self.total = self.peak = 0
-        self.peak_op = ""
-        self.false_storages: set[int] = set()
-
-    def add(self, tensor: torch.Tensor, op: str = "") -> None:
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        if key in self.sizes:  # a view, or a storage already counted
-            return
-        self.sizes[key] = storage.nbytes()
-        self.total += storage.nbytes()
-        weakref.finalize(storage, self._freed, key)
-        if self.total > self.peak:
-            self.peak, self.peak_op = self.total, op
-
-    def _freed(self, key: int) -> None:
-        self.total -= self.sizes.pop(key, 0)
-        self.false_storages.discard(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        on_meta = self.device_type == "meta"
-        if on_meta and func is torch.ops.aten._local_scalar_dense.default:  # .item(), bool()
-            tensor = args[0]
-            if tensor.dtype == torch.bool:
-                return tensor.untyped_storage()._cdata not in self.false_storages
-            return 1.0 if tensor.is_floating_point() else 1
-        if on_meta and func is torch.ops.aten.nonzero.default:  # a mask that keeps everything
-            tensor = args[0]
-            indices = torch.empty(tensor.numel(), tensor.dim(), dtype=torch.long, device="meta")
-            self.add(indices, func.name())
-            return indices
-        out = func(*args, **kwargs)
-        if on_meta and func.name().split("::")[-1].split(".")[0] in self.FALSE_ANSWERS:
-            self.false_storages.add(out.untyped_storage()._cdata)
-        for leaf in tree_flatten(out)[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.device.type == self.device_type:
-                self.add(leaf, func.name())
-        return out
-
-
-def _meta_tolist(original):
-    def tolist(tensor):
-        if tensor.device.type != "meta":
-            return original(tensor)
-        if tensor.dim() == 0:
-            return 1.0 if tensor.is_floating_point() else 1
-        return [tolist(row) for row in tensor]
-
-    return tolist
-
-
-def _fused_attention(original):
-    """F.scaled_dot_product_attention as CUDA's fused memory-efficient kernel holds it: the
-    output and its log-sum-exp, never the scores (the meta device would take the math path)."""
-
-    def attention(
-        query,
-        key,
-        value,
-        attn_mask=None,
-        dropout_p=0.0,
-        is_causal=False,
-        scale=None,
-        enable_gqa=False,
-    ):
-        if query.device.type != "meta":
-            return original(
-                query,
-                key,
-                value,
-                attn_mask=attn_mask,
-                dropout_p=dropout_p,
-                is_causal=is_causal,
-                scale=scale,
-                enable_gqa=enable_gqa,
-            )
-        if key.shape[1] != query.shape[1]:  # grouped-query attention: the kernel repeats heads
-            repeats = query.shape[1] // key.shape[1]
-            key = key.repeat_interleave(repeats, dim=1)
-            value = value.repeat_interleave(repeats, dim=1)
-        bias = attn_mask
-        if attn_mask is not None and attn_mask.dtype != query.dtype:  # a boolean mask -> a bias
-            bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device="meta")
-        output, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, bias, True, dropout_p, is_causal, scale=scale
-        )
-        return output
-
-    return attention
-
-
-@contextlib.contextmanager
-def cuda_kernels_on_meta():
-    """While it lasts, meta tensors run as the CUDA step does: the fused attention kernel, CUDA's
-    chunk of the log-prob pass, and healthy answers to the reads of values."""
-    import torch.fx.experimental._config as fx_config
-
-    from machinery import fast_logprobs
-
-    chunk_rows = fast_logprobs.default_chunk_rows
-
-    def cuda_chunk_rows(vocab, device):
-        cuda = torch.device(device).type == "meta"
-        return chunk_rows(vocab, torch.device("cuda") if cuda else device)
-
-    saved = (
-        torch.nn.functional.scaled_dot_product_attention,
-        torch.Tensor.tolist,
-        fx_config.meta_nonzero_assume_all_nonzero,
-    )
-    torch.nn.functional.scaled_dot_product_attention = _fused_attention(saved[0])
-    torch.Tensor.tolist = _meta_tolist(saved[1])
-    fx_config.meta_nonzero_assume_all_nonzero = True
-    fast_logprobs.default_chunk_rows = cuda_chunk_rows
-    try:
-        yield
-    finally:
-        torch.nn.functional.scaled_dot_product_attention, torch.Tensor.tolist = saved[:2]
-        fx_config.meta_nonzero_assume_all_nonzero = saved[2]
-        fast_logprobs.default_chunk_rows = chunk_rows
-
-
 def read_model_config(model: str):
     """The model's config.json (a local directory, or a hub name as ``hub.resolve_model`` takes
     it; no weights are read). One that does not read is the loader's one line, so a run says the
@@ -234,103 +75,96 @@ def read_model_config(model: str):
         raise SystemExit(hub.cannot_load(name, error)) from None
 
 
-def step_rollouts(config, vocab: int, count: int, step: TrainerStep):
-    """``count`` rollouts of the step, prompt-major (G completions share each prompt), every
-    prompt --max-prompt-len and every completion the whole budget long."""
-    completion_len = config.max_seq_len - config.max_prompt_len
-    prompts, completions = [], []
-    for row in range(count):
-        first = 10 + (row // config.rollouts) * 7
-        prompts.append([(first + i) % vocab for i in range(config.max_prompt_len)])
-        completions.append([(first + 3 * row + i) % vocab for i in range(completion_len)])
-    return step.rollouts(
-        prompt_ids=prompts,
-        completion_ids=completions,
-        texts=[""] * count,
-        finish_reasons=["length"] * count,
-        engine_logps=[[0.0] * completion_len for _ in range(count)],
-        problems=[""] * count,
-        answers=[""] * count,
-    )
+# --------------------------------------------------------------------------------------------
+# The update's peak in closed form: what the run's refusal reads (memory_sim.py checks it)
+# --------------------------------------------------------------------------------------------
 
 
-def simulate_update(
-    model_config, config, dtype: torch.dtype, step: TrainerStep, device: str = "meta"
-) -> dict:
-    """Bytes of one steady-state update step counted storage by storage: ``weights`` (the
-    trainer's model, adapters and reference), ``resident`` (with AdamW's moments: what stays
-    between steps), ``peak`` and the op at the peak. On ``meta``, simulated; on ``cpu``, a real
-    step of a small model (the simulation's check)."""
-    from transformers import AutoModelForCausalLM
+def estimate_update_peak(model_config, config, dtype: torch.dtype, with_reference: bool) -> dict:
+    """Bytes of one steady-state update step, as ``memory_sim.simulate_update`` counts them, by
+    arithmetic: ``weights``, ``resident`` (with AdamW's moments), ``peak`` and the phase at the
+    peak.
 
-    from machinery import models
+    h, I, V: the hidden, MLP and vocabulary sizes; q: the query width (heads x head size); n
+    layers; s: the bytes of ``dtype`` (bf16 under LoRA on CUDA, float32 with --full-finetune);
+    B: --micro-batch-size; T = B x --max-seq-len tokens, of which N = B x the completion budget
+    are completion positions; a micro-batch at full length.
 
-    with contextlib.ExitStack() as stack:
-        if device == "meta":
-            stack.enter_context(cuda_kernels_on_meta())
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa")
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if config.gradient_checkpointing:
-            models.enable_gradient_checkpointing(model)
-        policy, reference = models.make_policy(
-            model,
-            full_finetune=config.full_finetune,
-            lora_rank=config.lora_rank,
-            lora_alpha=config.lora_alpha,
-            with_reference=step.needs_reference(config),
-        )
-        optimizer, _ = models.make_optimizer(policy, config.lr, config.weight_decay, 10, 1)
-        trained = [p for p in policy.parameters() if p.requires_grad]
-        for parameter in trained:  # a step after the first: AdamW's moments exist
-            parameter.grad = torch.zeros_like(parameter)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    * Weights, gradients, AdamW's two moments. LoRA (``models.wrap_lora``): the base in s, and
+      rank r adapters on q, k, v, o, gate, up and down, kept in float32 by peft: r (in + out)
+      each, r (7h + 2q + 2 kv + 3I) a layer; the reference is the base with the adapter off.
+      --full-finetune: every weight in float32, plus a frozen copy when a KL anchor needs one.
+    * Kept for the backward, per token and layer. LoRA: the frozen base projections keep
+      nothing; each adapter keeps a float32 copy of its input, 4 (5h + q + I); each RMSNorm its
+      float32 input, 2 x 4h; the attention its rotated queries, the keys and values repeated to
+      every head and its output, 4q s; the MLP the gate, its SiLU and up, 3I s (the 7B: 333
+      KB). --full-finetune: every linear keeps its input for its weight's gradient: each norm
+      its input, normalized and output, 2 x 3h s; the attention 4q s; the MLP 4I s (the
+      gate, its SiLU, up and their product). Gradient checkpointing keeps a layer's input, h s.
+    * One layer's backward (recomputed under checkpointing): what it keeps and the gradients in
+      flight, the most at its MLP's: LoRA 12h + 4I more (a float32 and four s-sized [h]
+      tensors; two float32 [I] gradients where down's float32 input was); full 2I s more.
+    * The log-prob pass (``fast_logprobs.completion_logps``): only the N completion positions
+      are projected, N V s of logits, and the chunked kernel's three float32 work buffers of
+      ``default_chunk_rows`` rows on CUDA (64 MiB each); the final norm's input, 4h a token
+      (full: 2h s, and the output layer's new weight gradient V h s with its [N, h] input and
+      input gradient 2N h s, beside the first micro-batch's).
+    * The attention mask: a boolean [B, 1, L, L] and, in each attention call, the fused kernel's
+      bias of it in s: every layer's held without checkpointing, one at a time with it.
 
-        counter = LiveStorages(device)
-        held_models = [policy] + ([reference] if reference is not None else [])
-        for tensor in (t for m in held_models for t in [*m.parameters(), *m.buffers()]):
-            counter.add(tensor, "weights")
-        weights = counter.total
-        for state in optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.device.type == device:
-                    counter.add(value, "AdamW state")
-        resident = counter.total
-        sequences = config.prompts_per_step * config.rollouts
-        count = min(sequences, 2 * config.micro_batch_size)  # the peak comes by the second
-        rollouts = step_rollouts(config, model_config.get_text_config().vocab_size, count, step)
-        rewards = torch.arange(sequences, dtype=torch.float32) % 2
-        advantages = step.compute_advantages(rewards, config.rollouts, config.loss.advantage)
-        generator = torch.Generator().manual_seed(0)
-        with counter:
-            batches = step.micro_batches(rollouts, config, pad_id=0, device=device)
-            held = [
-                step.held_fixed_logps(
-                    policy, reference, batch=batch, config=config, step=0, generator=generator
-                )
-                for _, batch in batches
-            ]
-            step.update_policy(
-                policy,
-                optimizer,
-                batches=batches,
-                held=held,
-                advantages=advantages,
-                config=config,
-                step=0,
-                generator=generator,
-            )
-        return {
-            "weights": weights,
-            "resident": resident,
-            "peak": counter.peak,
-            "peak_op": counter.peak_op,
-        }
+    The peak is the resident bytes and the gradients plus the larger of the log-prob pass (all
+    layers' kept bytes, the logits and the chunks) and the top layer's backward. Without
+    checkpointing, a micro-batch of whole groups runs each shared prompt once
+    (``fast_logprobs.shared_prompt_logps``): counted here at full length, an upper bound.
+
+    >>> from types import SimpleNamespace
+    >>> from transformers import Qwen2Config  # the 7B, LoRA rank 8, micro-batch 4 x 2,048
+    >>> config = SimpleNamespace(micro_batch_size=4, max_seq_len=2048, max_prompt_len=512,
+    ...     full_finetune=False, lora_rank=8, gradient_checkpointing=True)
+    >>> estimate = estimate_update_peak(Qwen2Config(**QWEN25_MATH_7B, tie_word_embeddings=False),
+    ...     config, torch.bfloat16, with_reference=True)
+    >>> {key: round(value / 1e9, 2) for key, value in estimate.items() if key != "peak_op"}
+    {'weights': 15.31, 'resident': 15.47, 'peak': 20.95}
+    >>> estimate["peak_op"]  # 0.08 GB of gradients, 5.34 GB a layer's and 0.05 GB of masks
+    "a layer's backward"
+    """
+    text = model_config.get_text_config()
+    h, inter, vocab = text.hidden_size, text.intermediate_size, text.vocab_size
+    head_size = getattr(text, "head_dim", None) or h // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    q, kv = text.num_attention_heads * head_size, kv_heads * head_size
+    layers = text.num_hidden_layers
+    s, rows, length = dtype.itemsize, config.micro_batch_size, config.max_seq_len
+    tokens, completion = rows * length, rows * (length - config.max_prompt_len)
+    parameters = parameter_count(model_config)
+    if config.full_finetune:
+        trained, weights = parameters * s, parameters * s * (1 + with_reference)
+        saved = s * (6 * h + 4 * q + 4 * inter)
+        backward = saved + 2 * inter * s
+        final_norm, output_layer = 2 * h * s, vocab * h * s + 2 * completion * h * s
+    else:
+        trained = 4 * layers * config.lora_rank * (7 * h + 2 * q + 2 * kv + 3 * inter)
+        weights = parameters * s + trained
+        saved = 4 * (7 * h + q + inter) + s * (4 * q + 3 * inter)
+        backward = saved + 12 * h + 4 * inter
+        final_norm, output_layer = 4 * h, 0
+    checkpointing = config.gradient_checkpointing
+    kept = h * s if checkpointing else saved  # per token and layer, through the forward
+    mask, bias = rows * length**2, rows * length**2 * s
+    chunk_rows = min(fast_logprobs.default_chunk_rows(vocab, torch.device("cuda")), completion)
+    logits = completion * vocab * s + max(3 * chunk_rows * vocab * 4, output_layer)
+    every_layer = tokens * layers * kept
+    top_layer = backward if checkpointing else backward - saved  # (its kept bytes are counted)
+    log_prob_pass = every_layer + tokens * final_norm + logits
+    layer_backward = every_layer + tokens * top_layer + bias  # its attention's mask bias
+    if not checkpointing:  # every layer holds its attention's bias
+        log_prob_pass += layers * bias
+        layer_backward += (layers - 1) * bias
+    phases = {"the log-prob pass": log_prob_pass, "a layer's backward": layer_backward}
+    peak_op = max(phases, key=phases.get)
+    resident = weights + 2 * trained  # AdamW's moments, in the trained weights' dtype
+    peak = resident + trained + phases[peak_op] + mask  # + the gradients
+    return {"weights": weights, "resident": resident, "peak": peak, "peak_op": peak_op}
 
 
 # --------------------------------------------------------------------------------------------
@@ -643,12 +477,17 @@ def probe_activations(model_config, config, dtype: torch.dtype) -> dict:
 
 
 def largest_fitting_micro_batch(
-    model_config, config, dtype, usable: int, step: TrainerStep, probe_beside: int | None = None
+    model_config,
+    config,
+    dtype,
+    usable: int,
+    with_reference: bool,
+    probe_beside: int | None = None,
 ) -> int:
-    """The largest power of two (up to the step's sequences) whose update peak fits in
-    ``usable`` bytes, and whose support probe fits beside ``probe_beside`` bytes (the trainer's
-    resident bytes and the awake engine's share; None: no probe), by bisection (both peaks grow
-    with the micro-batch); 0 if none does."""
+    """The largest power of two (up to the step's sequences) whose update peak (the formula's)
+    fits in ``usable`` bytes, and whose support probe fits beside ``probe_beside``
+    bytes (the trainer's resident bytes and the awake engine's share; None: no probe), by
+    bisection (both peaks grow with the micro-batch); 0 if none does."""
     sequences = config.prompts_per_step * config.rollouts
     sizes = [2**i for i in range(sequences.bit_length()) if 2**i <= sequences]
     low, high, best = 0, len(sizes) - 1, 0
@@ -658,7 +497,8 @@ def largest_fitting_micro_batch(
         probe_fits = probe_beside is None or (
             probe_beside + probe_activations(model_config, trial, dtype)["peak"] <= usable
         )
-        if probe_fits and simulate_update(model_config, trial, dtype, step)["peak"] <= usable:
+        update = estimate_update_peak(model_config, trial, dtype, with_reference)
+        if probe_fits and update["peak"] <= usable:
             best, low = sizes[middle], middle + 1
         else:
             high = middle - 1
@@ -666,15 +506,16 @@ def largest_fitting_micro_batch(
 
 
 def plan(
-    config, card_bytes: int, step: TrainerStep, search: bool = True, update: dict | None = None
+    config, card_bytes: int, with_reference: bool, search: bool = True, update: dict | None = None
 ) -> dict:
     """The forecast of a run on a card of ``card_bytes``: the update's peak, the engine's share,
-    the run's peak, the verdict, and (``search``) the largest micro-batch that fits. ``update``:
-    this config's ``simulate_update``, if made already (one simulation serves every card)."""
+    the run's peak, the verdict, and (``search``) the largest micro-batch that fits. The update's
+    bytes are the formula's, or ``update`` (extras/memory_sim.py's simulation of this config,
+    whose check the formula is); the plan reports the formula's peak either way."""
     model_config = read_model_config(config.model)
     dtype = trainer_dtype(config, "cuda")
-    if update is None:
-        update = simulate_update(model_config, config, dtype, step)
+    formula = estimate_update_peak(model_config, config, dtype, with_reference)
+    simulated, update = update is not None, update or formula
     engine, engine_reason = engine_share(model_config, config, card_bytes, update["resident"])
     usable = int((1 - GPU_HEADROOM) * card_bytes)
     sampling = hf_sampling(model_config, config, dtype)
@@ -697,7 +538,7 @@ def plan(
     if search:
         beside = int(awake) if probe_runs(config) else None
         largest = largest_fitting_micro_batch(
-            model_config, config, dtype, usable, step, probe_beside=beside
+            model_config, config, dtype, usable, with_reference, probe_beside=beside
         )
     sequences = config.prompts_per_step * config.rollouts
     gigabytes = functools.partial(round, ndigits=2)
@@ -707,6 +548,8 @@ def plan(
         "fits": fits,
         "update_peak_gb": gigabytes(update["peak"] / 1e9),
         "update_peak_op": update["peak_op"],
+        "update_peak_formula_gb": gigabytes(formula["peak"] / 1e9),
+        "update_simulated": simulated,
         "trainer_weights_gb": gigabytes(update["weights"] / 1e9),
         "trainer_resident_gb": gigabytes(update["resident"] / 1e9),
         "engine_weights_gb": gigabytes(engine["weights"] / 1e9),
@@ -835,13 +678,16 @@ def probe_line(result: dict, config) -> str:
 
 def print_report(result: dict, config) -> None:
     """The forecast for people, then one JSON line."""
+    simulated = result["update_simulated"]
+    counted = "simulated on the meta device" if simulated else "by the formula"
+    beside = f"; the formula: {result['update_peak_formula_gb']:.2f} GB" if simulated else ""
     lines = [
         f"memory plan of {result['model']} ({result['dtype']}, micro-batch "
         f"{result['micro_batch_size']}, {result['sequences_per_step']} sequences of "
-        f"{result['max_seq_len']} tokens, simulated on the meta device; {UNCOUNTED}):",
+        f"{result['max_seq_len']} tokens, the update {counted}; {UNCOUNTED}):",
         f"  trainer, resident     {result['trainer_resident_gb']:7.2f} GB (weights "
         f"{result['trainer_weights_gb']:.2f} GB, adapters and AdamW states)",
-        f"  trainer, update peak  {result['update_peak_gb']:7.2f} GB (the engine asleep)",
+        f"  trainer, update peak  {result['update_peak_gb']:7.2f} GB (the engine asleep{beside})",
         f"  engine                {engine_line(result, config)}",
         *([sampling_line(result)] if config.backend == "hf" else []),
         *([probe_line(result, config)] if result["probe_counted"] else []),
@@ -860,25 +706,23 @@ def card_of(config) -> int:
     return card_bytes_of(gpu_gb)
 
 
-def forecast_if_asked(config, step: TrainerStep) -> None:
-    """--plan-memory: print the plan and end the program (a forecast: sage.start_run asks first,
-    before the checks of a run that would start)."""
-    if config.extras["memory"].plan_memory:
-        print_report(plan(config, card_of(config), step), config)
-        raise SystemExit(0)
+def print_plan(config, with_reference: bool) -> None:
+    """--plan-memory: the forecast with the formula's update, at once (``python -m
+    extras.memory_sim`` with the same flags simulates the update instead, the formula's check)."""
+    print_report(plan(config, card_of(config), with_reference), config)
 
 
-def before_loading(config, step: TrainerStep) -> float | None:
+def before_loading(config, with_reference: bool) -> float | None:
     """On CUDA, before the model loads: a run that cannot fit is refused with one line naming the
     flag to change; a run that fits says nothing and gets the trainer's forecast peak in GB (the
     run's logger compares it with the peaks measured, the engine's counted bytes left out; None
-    on the CPU). It simulates a step, the costliest check of a run, so sage.start_run calls it
-    after the cheap ones."""
+    on the CPU). The update's peak is the formula's (``estimate_update_peak``): no simulation
+    runs on the run's path."""
     if plan_device() != "cuda":
         return None
-    result = plan(config, card_of(config), step, search=False)
+    result = plan(config, card_of(config), with_reference, search=False)
     if result["fits"]:
         return result["trainer_peak_gb"]
     if not result["engine_problem"]:  # would a smaller micro-batch fit?
-        result = plan(config, card_of(config), step)
+        result = plan(config, card_of(config), with_reference)
     raise SystemExit(f"error: the run {verdict(result, config)}")

@@ -1,4 +1,4 @@
-"""The models of a run: the policy, its reference and the optimizer, and what fits on one GPU.
+"""The base model of a run, loaded for the device it trains on, and what fits on one GPU.
 
 * The base model loads from a hub name or a local directory, in bf16 on CUDA (float32 on CPU),
   with flash-attention 2 when a matching build is installed (else PyTorch's SDPA), and gradient
@@ -8,23 +8,18 @@
 * On the CPU, freed activations stay with the process for the next micro-batch
   (``keep_freed_memory``) instead of going back to the kernel and faulting in again,
   zero-filled, at their next use.
-* The policy is the base with LoRA adapters on the attention and MLP projections (the paper runs
-  everything with LoRA rank 8). Its reference policy pi_ref is the same weights with the adapter
-  switched off: no second copy. Fine-tuning every weight keeps a frozen copy instead, and is
-  refused up front when it cannot fit the device.
-* AdamW with linear warmup and linear decay (App. E, Table 8).
+* AdamW with linear warmup and linear decay (App. E, Table 8). Fine-tuning every weight is
+  refused up front when it cannot fit the device. (The policy and its reference pi_ref are made
+  in sage.py.)
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import ctypes
 import ctypes.util
 
 import psutil
 import torch
-from peft import LoraConfig, get_peft_model
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -116,40 +111,6 @@ def load_base_model(
     if torch.device(device).type == "cpu":
         keep_freed_memory()
     return model.to(device), tokenizer
-
-
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def wrap_lora(model, rank: int, alpha: int):
-    """LoRA adapters on the attention and MLP projections (paper: rank 8)."""
-    lora = LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        lora_dropout=0.0,
-        target_modules=LORA_TARGETS,
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, lora)
-
-
-def make_policy(model, full_finetune: bool, lora_rank: int, lora_alpha: int, with_reference: bool):
-    """(policy, frozen_reference): LoRA adapters whose reference is the base with the adapter off
-    (no copy), or, when fine-tuning every weight, the model itself and a frozen copy (if a KL
-    anchor needs a reference)."""
-    if not full_finetune:
-        return wrap_lora(model, lora_rank, lora_alpha), None
-    return model, (copy.deepcopy(model).eval().requires_grad_(False) if with_reference else None)
-
-
-@contextlib.contextmanager
-def reference_mode(policy, frozen_reference):
-    """Yield the reference policy: the frozen copy, or the LoRA base with the adapter off."""
-    if frozen_reference is not None:
-        yield frozen_reference
-    else:
-        with policy.disable_adapter():
-            yield policy
 
 
 def make_optimizer(model, lr: float, weight_decay: float, total_steps: int, warmup_steps: int):

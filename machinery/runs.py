@@ -195,29 +195,6 @@ class PhaseTimer:
         return record
 
 
-class StepMetrics:
-    """Metrics over a step's micro-batches: row-weighted means, and the extremes of the "*min" /
-    "*max" keys over the whole step."""
-
-    def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.extremes: dict[str, float] = {}
-        self.rows = 0
-
-    def add(self, metrics: dict[str, float], rows: int) -> None:
-        self.rows += rows
-        for key, value in metrics.items():
-            if key.endswith("min"):
-                self.extremes[key] = min(self.extremes.get(key, value), value)
-            elif key.endswith("max"):
-                self.extremes[key] = max(self.extremes.get(key, value), value)
-            else:
-                self.sums[key] = self.sums.get(key, 0.0) + value * rows
-
-    def result(self) -> dict[str, float]:
-        return {**{key: value / self.rows for key, value in self.sums.items()}, **self.extremes}
-
-
 # --------------------------------------------------------------------------------------------
 # RNG states and checkpoints
 # --------------------------------------------------------------------------------------------

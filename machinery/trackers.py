@@ -112,21 +112,11 @@ class Trackers:
 
 class RunLogger:
     """A run's records: one metrics.jsonl line per step (and the --report-to trackers), the
-    progress bar, the zero-reward warning, and pass@k every --eval-every steps into eval.jsonl.
-    ``evaluation`` makes an evaluation's rows (evaluate.training_evaluation, passed by sage.py)."""
+    progress bar, the zero-reward warning, and the rows of each evaluation (evaluate.py's) in
+    eval.jsonl."""
 
-    def __init__(
-        self,
-        config,
-        run_dir: str,
-        tokenizer,
-        benchmarks: dict,
-        evaluation,
-        forecast_gb: float | None = None,
-    ):
-        self.config, self.run_dir, self.tokenizer = config, run_dir, tokenizer
-        self.benchmarks = benchmarks  # {name: [Problem]} (evaluate.training_benchmarks)
-        self.evaluation = evaluation
+    def __init__(self, config, run_dir: str, forecast_gb: float | None = None):
+        self.config, self.run_dir = config, run_dir
         # the memory plan's trainer_peak_gb (CUDA), checked against the logged peaks each step
         self.forecast_gb = forecast_gb
         self.peak_gb: float | None = None  # the trainer's highest peak allocated so far (CUDA)
@@ -183,24 +173,9 @@ class RunLogger:
         if first_excess and self.peak_gb > (self.forecast_gb or math.inf):
             tqdm.write(memory_line(self.peak_gb, self.forecast_gb, f"step {step}"))
 
-    def evaluate(self, engine, updates: int, first: bool = False, policy=None) -> None:
-        """pass@k after ``updates`` optimizer steps, when due: before the first step (``first``,
-        not on a resume), every --eval-every steps and after the last; with
-        --eval-solution-key, also the support probe of ``policy`` and the guide map of a few
-        problems (evaluate.support_and_guide_map). Rows go to eval.jsonl and the trackers."""
-        every, config = self.config.eval.eval_every, self.config
-        if not self.benchmarks or not (updates % every == 0 or updates == config.steps):
-            return
-        if first and updates > 0:  # a resumed run: this evaluation is in eval.jsonl already
-            return
-        rows = self.evaluation(
-            engine,
-            self.tokenizer,
-            self.benchmarks,
-            config=config,
-            updates=updates,
-            policy=policy,
-        )
+    def log_evaluation(self, rows: list[dict]) -> None:
+        """An evaluation's rows (evaluate.training_evaluation's) into eval.jsonl, the trackers and
+        one line each."""
         for row in rows:
             runs.append_jsonl(os.path.join(self.run_dir, "eval.jsonl"), row)
             numbers = {key: value for key, value in row.items() if key.startswith("pass@")}

@@ -273,11 +273,12 @@ def test_custom_clamp_is_respected():
 
 
 def test_none_guide_is_zero():
-    assert torch.equal(log_q_of(GuideConfig()), torch.zeros_like(MASK))
+    assert torch.equal(log_q_of(GuideConfig("none")), torch.zeros_like(MASK))
 
 
 def test_defaults_are_the_papers():
     config = GuideConfig()
+    assert config.name == "branch"  # the paper's main variant (Eq. 11)
     assert (config.q_min, config.q_max, config.tau, config.ratio) == (0.6, 1.4, 1.2, 0.3)
     assert (config.random_eps, config.random_sigma) == ((0.1, 0.0), (0.15, 0.05))
     assert (config.token_alpha, config.token_sigma) == ((0.3, 0.1), (0.25, 0.1))

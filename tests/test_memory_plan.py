@@ -14,9 +14,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 import evaluate
 import sage
+from extras import memory_sim
 from machinery import engine_checks, memory_plan
-
-STEP = sage.planned_step()  # the trainer's step, as sage.start_run passes it
 
 TINY_SHAPE = dict(
     hidden_size=64,
@@ -54,11 +53,53 @@ def test_the_simulated_update_peak_is_a_real_cpu_steps_within_5_percent():
     counted storage by storage: the simulation's peak is the real one within 5% (the
     activations, not the weights, make most of it)."""
     model_config, config = Qwen2Config(**TINY_SHAPE), run_config(micro_batch_size=4)
-    simulated = memory_plan.simulate_update(model_config, config, torch.float32, STEP, "meta")
-    real = memory_plan.simulate_update(model_config, config, torch.float32, STEP, "cpu")
+    simulated = memory_sim.simulate_update(model_config, config, torch.float32, "meta")
+    real = memory_sim.simulate_update(model_config, config, torch.float32, "cpu")
     assert simulated["weights"] == real["weights"]
     assert simulated["peak"] == pytest.approx(real["peak"], rel=0.05)
     assert real["peak"] > 5 * real["weights"]
+
+
+@pytest.mark.slow  # eight simulations of the 7B's update on the meta device (80 s in all)
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointing", "no-checkpointing"])
+@pytest.mark.parametrize("full_finetune", [False, True], ids=["lora", "full-finetune"])
+@pytest.mark.parametrize("length", [2048, 8192])
+def test_the_formula_is_the_simulated_7b_update_within_5_percent(
+    length, full_finetune, checkpointing
+):
+    """The run's refusal reads ``estimate_update_peak``; the meta-device simulation checks it at
+    the paper's shapes: Qwen2.5-Math-7B, micro-batch 4, prompts of up to 512 tokens, 2,048 and
+    8,192 tokens (docs/gpu.md), LoRA and full fine-tune, with and without checkpointing."""
+    model_config = Qwen2Config(**{**SEVEN_B_SHAPE, "max_position_embeddings": 32768})
+    config = sage.Config(
+        model="seven-b",
+        max_seq_len=length,
+        max_prompt_len=512,
+        full_finetune=full_finetune,
+        gradient_checkpointing=checkpointing,
+    )
+    dtype = memory_plan.trainer_dtype(config, "cuda")
+    simulated = memory_sim.simulate_update(model_config, config, dtype)
+    estimate = memory_plan.estimate_update_peak(model_config, config, dtype, True)
+    assert estimate["resident"] == pytest.approx(simulated["resident"], rel=1e-6)
+    assert estimate["peak"] == pytest.approx(simulated["peak"], rel=0.05)
+
+
+@pytest.mark.parametrize("full_finetune", [False, True], ids=["lora", "full-finetune"])
+def test_the_formulas_terms_on_a_tiny_shape(full_finetune):
+    """On a tiny Qwen2, the formula's weights and resident bytes (the adapters or every weight,
+    the frozen reference, AdamW's moments) are the simulation's but for the rotary table's few
+    floats (64 bytes a copy here). Its peak is the
+    simulation's within 10%: at this size the small tensors the formula leaves out (rotary
+    tables, per-token values of the loss) weigh more than at a 7B's."""
+    model_config = Qwen2Config(**TINY_SHAPE)
+    config = run_config(micro_batch_size=4, full_finetune=full_finetune)
+    dtype = memory_plan.trainer_dtype(config, "cuda")
+    simulated = memory_sim.simulate_update(model_config, config, dtype)
+    estimate = memory_plan.estimate_update_peak(model_config, config, dtype, True)
+    assert estimate["weights"] == pytest.approx(simulated["weights"], abs=2 * 64)
+    assert estimate["resident"] == pytest.approx(simulated["resident"], abs=2 * 64)
+    assert estimate["peak"] == pytest.approx(simulated["peak"], rel=0.10)
 
 
 def test_plan_memory_prints_a_verdict_and_a_json_line_and_writes_nothing(
@@ -72,9 +113,19 @@ def test_plan_memory_prints_a_verdict_and_a_json_line_and_writes_nothing(
     plan = json.loads(lines[-1])
     assert lines[-2].startswith("verdict: fits a 48 GB card")
     assert plan["fits"] and plan["gpu_gb"] == 48 and plan["largest_micro_batch"] == 8
+    assert "the update by the formula" in lines[0] and not plan["update_simulated"]
+    assert plan["update_peak_gb"] == plan["update_peak_formula_gb"]
     assert plan["update_peak_gb"] <= plan["run_peak_gb"] <= plan["usable_gb"]
     assert plan["engine_share"] >= 0.3 and "not counted" in plan["not_counted"]
     assert os.listdir(tmp_path) == []  # no run directory
+    # python -m extras.memory_sim with the same flags: the update simulated, the formula beside
+    memory_sim.print_plan(sage.parse_config([*argv, *TINY_RUN]))
+    lines = capsys.readouterr().out.strip().splitlines()
+    simulated = json.loads(lines[-1])
+    assert "simulated on the meta device" in lines[0] and simulated["update_simulated"]
+    update_line = next(line for line in lines if "update peak" in line)
+    assert f"the formula: {simulated['update_peak_formula_gb']:.2f} GB" in update_line
+    assert simulated["update_peak_formula_gb"] == plan["update_peak_formula_gb"]
 
 
 @pytest.mark.slow
@@ -83,8 +134,11 @@ def test_the_plan_of_the_7b_step_is_the_simulated_20_1_gb_of_docs_gpu(tmp_path):
     Qwen2Config(**SEVEN_B_SHAPE).save_pretrained(tmp_path)
     config = sage.Config(model=str(tmp_path), max_seq_len=1792, max_prompt_len=256)
     config.extras["memory"] = memory_plan.PlanConfig()
-    plan = memory_plan.plan(config, card_bytes=48 * 10**9, step=STEP, search=False)
+    plan = memory_plan.plan(
+        config, card_bytes=48 * 10**9, with_reference=sage.needs_reference(config), search=False
+    )
     assert plan["update_peak_gb"] == pytest.approx(20.1, rel=0.05)
+    assert plan["update_peak_formula_gb"] == pytest.approx(20.1, rel=0.05)
     assert plan["trainer_weights_gb"] == pytest.approx(15.3, abs=0.1) and plan["fits"]
 
 
@@ -92,16 +146,23 @@ def test_a_cuda_run_that_cannot_fit_is_refused_before_the_model_loads(
     tiny_config_dir, tmp_path, monkeypatch
 ):
     """Forced onto the plan's CUDA path on a card its update peak exceeds at micro-batch 4 but
-    not at 1 (the HF backend: no engine beside it): one line naming --micro-batch-size."""
+    not at 1 (the HF backend: no engine beside it): one line naming --micro-batch-size. The
+    refusal reads the formula's peak: no simulation runs on the run's path."""
     config = run_config(model=tiny_config_dir, backend="hf")
     peaks = {}
     for micro_batch in (1, 4):
         trial = run_config(model=tiny_config_dir, backend="hf", micro_batch_size=micro_batch)
         model_config = memory_plan.read_model_config(tiny_config_dir)
         dtype = memory_plan.trainer_dtype(config, "cuda")
-        peaks[micro_batch] = memory_plan.simulate_update(model_config, trial, dtype, STEP)["peak"]
+        estimate = memory_plan.estimate_update_peak(model_config, trial, dtype, True)
+        peaks[micro_batch] = estimate["peak"]
     card_gb = (peaks[1] + peaks[4]) / 2 / 0.95 / 1e9
     monkeypatch.setattr(memory_plan, "plan_device", lambda: "cuda")
+
+    def simulate_update(*args, **kwargs):
+        raise AssertionError("the run's path simulated the update")
+
+    monkeypatch.setattr(memory_sim, "simulate_update", simulate_update)
 
     def load_policy(*args, **kwargs):
         raise AssertionError("the model loaded")
@@ -117,7 +178,9 @@ def test_a_cuda_run_that_cannot_fit_is_refused_before_the_model_loads(
     # The same run on a card it fits says nothing and goes on.
     fits = run_config(model=tiny_config_dir, backend="hf")
     fits.extras["memory"] = memory_plan.PlanConfig(gpu_gb=card_gb * 10)
-    forecast_gb = memory_plan.before_loading(fits, STEP)  # its forecast, for the run's logger
+    forecast_gb = memory_plan.before_loading(
+        fits, with_reference=sage.needs_reference(fits)
+    )  # its forecast, for the run's logger
     assert forecast_gb is not None and 0 <= forecast_gb < card_gb
 
 
@@ -126,10 +189,12 @@ def test_the_engine_share_that_cannot_fit_names_its_flags(tiny_config_dir, monke
     config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=2)  # the engine alone needs > 2 GB
     monkeypatch.setattr(memory_plan, "plan_device", lambda: "cuda")
     with pytest.raises(SystemExit, match="lower --max-seq-len or use a larger GPU, or pass "):
-        memory_plan.before_loading(config, STEP)  # --backend hf: its plan fits (no engine)
+        memory_plan.before_loading(
+            config, with_reference=sage.needs_reference(config)
+        )  # --backend hf: its plan fits (no engine)
     config.full_finetune = True  # the trainer's float32 state is what crowds the engine out
     with pytest.raises(SystemExit, match="use a larger GPU, or drop --full-finetune"):
-        memory_plan.before_loading(config, STEP)
+        memory_plan.before_loading(config, with_reference=sage.needs_reference(config))
 
 
 @pytest.mark.slow
@@ -156,7 +221,9 @@ def test_the_plan_of_the_hf_backend_counts_generates_kv_cache(tmp_path, capsys):
     assert plan["run_peak_gb"] == pytest.approx(max(plan["update_peak_gb"], resident + sampling))
     config = sage.Config(model=str(tmp_path), max_seq_len=8192)
     config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=24)
-    result = memory_plan.plan(config, card_bytes=24 * 10**9, step=STEP, search=False)
+    result = memory_plan.plan(
+        config, card_bytes=24 * 10**9, with_reference=sage.needs_reference(config), search=False
+    )
     assert result["engine_problem"] and not result["hf_backend_fits"]
     assert "--backend hf" not in memory_plan.fix_for(result, config)
 
@@ -243,7 +310,7 @@ def test_the_trainers_resident_bytes_count_adamws_moments_before_they_exist(tiny
     from machinery import models
 
     model, _ = tiny
-    policy, reference = models.make_policy(
+    policy, reference = sage.make_policy(
         copy.deepcopy(model), full_finetune=False, lora_rank=4, lora_alpha=8, with_reference=True
     )
     optimizer, _ = models.make_optimizer(
@@ -322,7 +389,7 @@ def test_the_support_probes_count_is_a_real_cpu_probes_peak(min_p):
     model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa")
     prompts = [[(7 * i + j) % 8192 for j in range(16)] for i in range(2)]
     solutions = [[(11 * i + 3 * j) % 8192 for j in range(32)] for i in range(2)]
-    counter = memory_plan.LiveStorages("cpu")
+    counter = memory_sim.LiveStorages("cpu")
     with counter:
         evaluate.solution_logps(
             model, prompts, solutions, temperature=1.0, min_p=min_p, pad_id=0, batch_size=2
@@ -343,11 +410,15 @@ def test_with_eval_solution_key_the_run_peak_counts_the_probe_beside_the_awake_e
     config = run_config(model=tiny_config_dir)
     config.extras["memory"] = memory_plan.PlanConfig()
     card = 48 * 10**9
-    without = memory_plan.plan(config, card_bytes=card, step=STEP, search=False)
+    without = memory_plan.plan(
+        config, card_bytes=card, with_reference=sage.needs_reference(config), search=False
+    )
     probed = probe_config(model=tiny_config_dir, micro_batch_size=4, max_seq_len=160)
     probed = dataclasses.replace(probed, max_prompt_len=32)
     probed.extras["memory"] = memory_plan.PlanConfig()
-    result = memory_plan.plan(probed, card_bytes=card, step=STEP, search=False)
+    result = memory_plan.plan(
+        probed, card_bytes=card, with_reference=sage.needs_reference(probed), search=False
+    )
     assert not without["probe_counted"] and result["probe_counted"]
     activations = 4 * 128 * 512 * (2 + 6 * 4 + 2)  # B x C x V x (bf16 logits + copies)
     assert result["probe_activations_gb"] == pytest.approx(activations / 1e9, abs=0.006)
@@ -374,7 +445,9 @@ def test_the_7b_probe_does_not_fit_beside_the_engine_on_48_gb_and_names_the_flag
     config = sage.Config(model=str(tmp_path), max_seq_len=1792, max_prompt_len=256)
     config.eval.eval_solution_key, config.eval.eval_every = "solution", 50
     config.extras["memory"] = memory_plan.PlanConfig()
-    result = memory_plan.plan(config, card_bytes=48 * 10**9, step=STEP)
+    result = memory_plan.plan(
+        config, card_bytes=48 * 10**9, with_reference=sage.needs_reference(config)
+    )
     assert result["probe_peak_gb"] == pytest.approx(66.1, abs=0.5) and not result["fits"]
     assert result["run_peak_gb"] == result["probe_peak_gb"]
     assert "drop --eval-solution-key" in memory_plan.verdict(result, config)

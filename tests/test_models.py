@@ -10,8 +10,9 @@ import torch
 
 import bounds
 import loss
+import sage
 from extras import demo
-from machinery import batches, models
+from machinery import models
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +30,7 @@ def test_gradient_checkpointing_keeps_the_lora_gradient(tmp_path, monkeypatch, f
         # is too loose
         model.double()
         torch.manual_seed(0)
-        policy = models.wrap_lora(model, rank=4, alpha=8)
+        policy = sage.wrap_lora(model, rank=4, alpha=8)
         with torch.no_grad():  # a nonzero B, so every adapter weight gets a gradient
             for name, parameter in policy.named_parameters():
                 if "lora_B" in name:
@@ -39,7 +40,7 @@ def test_gradient_checkpointing_keeps_the_lora_gradient(tmp_path, monkeypatch, f
             tokenizer("What is 3 + 4?")["input_ids"],
             tokenizer("3+4=7")["input_ids"],
         )
-        batch = batches.collate(
+        batch = loss.collate(
             [prompt, prompt[2:]], [completion, completion[:3]], tokenizer.pad_token_id, "cpu"
         )
         logps, _ = loss.completion_logps(policy, batch, 1.0, 0.0)

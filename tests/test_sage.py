@@ -13,7 +13,7 @@ import guides
 import loss
 import sage
 from extras import demo, dynamic_sampling, sft
-from machinery import batches, cli, data, fast_logprobs, task
+from machinery import cli, data, fast_logprobs, task
 
 
 def test_paper_defaults_for_model_runs():
@@ -28,7 +28,9 @@ def test_paper_defaults_for_model_runs():
         "reverse",
         "k3",
     )
-    assert config.max_train_samples == 2000 and config.guide.name == "none"
+    assert (
+        config.max_train_samples == 2000 and config.guide.name == "branch"
+    )  # SAGE: the main variant
     assert (config.guide.tau, config.guide.ratio, config.guide.q_min, config.guide.q_max) == (
         1.2,
         0.3,
@@ -68,7 +70,8 @@ def test_paper_defaults_for_model_runs():
     ],
 )
 def test_algo_presets(algo, expected):
-    config = sage.parse_config(["--model", "m", "--algo", algo])
+    """Each preset as the plain algorithm (--guide none); with the default guide, its anchor."""
+    config = sage.parse_config(["--model", "m", "--algo", algo, "--guide", "none"])
     for key, value in expected.items():
         owner = config.extras["dynamic_sampling"] if key == "dynamic_sampling" else config.loss
         assert getattr(owner, key) == value, key
@@ -81,6 +84,8 @@ def test_explicit_flags_beat_presets_and_a_guide_keeps_the_anchor():
     assert config.loss.eps_high == 0.3 and config.loss.advantage == "rloo"
     guided = sage.parse_config(["--model", "m", "--algo", "dapo", "--guide", "branch"])
     assert guided.loss.kl == "reverse"  # a guide acts only through the anchor
+    by_default = sage.parse_config(["--model", "m", "--algo", "dapo"])  # --guide branch
+    assert by_default.guide.name == "branch" and by_default.loss.kl == "reverse"
     assert (
         sage.parse_config(["--model", "m", "--algo", "dapo", "--no-dynamic-sampling"])
         .extras["dynamic_sampling"]
@@ -89,7 +94,7 @@ def test_explicit_flags_beat_presets_and_a_guide_keeps_the_anchor():
     )
 
 
-def test_a_config_built_in_code_is_the_grpo_default():
+def test_a_config_built_in_code_is_the_sage_default():
     """Config() outside the CLI is complete: every default is a value, none a sentinel."""
     config = sage.Config()
     assert (
@@ -99,6 +104,7 @@ def test_a_config_built_in_code_is_the_grpo_default():
         config.loss.kl,
     ) == ("grpo", "grpo", 0.2, "reverse")
     assert config.guide == guides.GuideConfig() and config.loss.max_completion_length == 1536
+    assert config.guide.name == "branch" and config.loss.kl_estimator == "k3"  # the paper's SAGE
 
 
 def test_the_model_is_required_and_the_demo_is_named(capsys):
@@ -329,7 +335,7 @@ def test_plain_grpo_anchors_to_the_full_softmax_reference(tiny, float64_qwen2):
     the kept tokens: an implicit guide q = 1 / M_ref >= 1, M_ref the reference mass min-p keeps."""
     model, tokenizer = copy.deepcopy(tiny[0]).double(), tiny[1]  # float64: a tight bound
     prompt, completion = tokenizer("What is 3 + 4?")["input_ids"], tokenizer("3+4=7")["input_ids"]
-    batch = batches.collate(
+    batch = loss.collate(
         [prompt, prompt[1:]], [completion, completion[:4]], tokenizer.pad_token_id, "cpu"
     )
     batch["engine_logps"] = torch.zeros_like(batch["completion_mask"])
@@ -374,7 +380,7 @@ def test_loss_distribution_sets_what_the_policy_log_probs_and_the_guide_read(tin
     too. The reference stays the full softmax either way (unless --reference-min-p)."""
     model, tokenizer = copy.deepcopy(tiny[0]).double(), tiny[1]  # float64: a tight bound
     prompt, completion = tokenizer("What is 3 + 4?")["input_ids"], tokenizer("3+4=7")["input_ids"]
-    batch = batches.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
+    batch = loss.collate([prompt], [completion], tokenizer.pad_token_id, "cpu")
     batch["engine_logps"] = torch.zeros_like(batch["completion_mask"])
     with torch.no_grad():
         logits = fast_logprobs.completion_logits(model, batch)  # [1, C, V]
@@ -416,7 +422,7 @@ def test_guide_entropy_reference_takes_q_from_the_reference_pass(tiny):
     reference, tokenizer = tiny
     policy = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=5)
     prompt, completion = tokenizer("What is 3 + 4?")["input_ids"], tokenizer("3+4=7")["input_ids"]
-    batch = batches.collate([prompt, prompt], [completion, completion[:3]], 0, "cpu")
+    batch = loss.collate([prompt, prompt], [completion, completion[:3]], 0, "cpu")
     batch["engine_logps"] = torch.zeros_like(batch["completion_mask"])
     mask = batch["completion_mask"]
     held = {}

@@ -81,9 +81,7 @@ def test_a_cuda_steps_metrics_carry_the_trainers_peak_memory_and_a_cpu_steps_non
     config = sage.Config(model="tiny", report_to="jsonl")
     (tmp_path / "cpu").mkdir(), (tmp_path / "cuda").mkdir()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU half, forced
-    cpu_logger = trackers.RunLogger(
-        config, str(tmp_path / "cpu"), tokenizer=None, benchmarks={}, evaluation=None
-    )
+    cpu_logger = trackers.RunLogger(config, str(tmp_path / "cpu"))
     one_step(cpu_logger, runs.PhaseTimer())
     cpu_logger.close()
     record = json.loads((tmp_path / "cpu" / "metrics.jsonl").read_text())
@@ -106,14 +104,7 @@ def test_a_cuda_steps_metrics_carry_the_trainers_peak_memory_and_a_cpu_steps_non
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(1))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(peaks))
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: next(peaks))
-    logger = trackers.RunLogger(
-        config,
-        str(tmp_path / "cuda"),
-        tokenizer=None,
-        benchmarks={},
-        evaluation=None,
-        forecast_gb=35.0,
-    )
+    logger = trackers.RunLogger(config, str(tmp_path / "cuda"), forecast_gb=35.0)
     one_step(logger, runs.PhaseTimer(engine=engine_memory), step=0)
     assert "[memory]" not in capsys.readouterr().out  # 30 GB: within the forecast (raw: 60)
     one_step(logger, runs.PhaseTimer(engine=engine_memory), step=1)

@@ -84,7 +84,9 @@ def make_trainer(
             for i in range(8)
         ]
     )
-    settings = trl_sage.SageSettings(guide=guide or guides.GuideConfig(), kl_estimator=kl_estimator)
+    settings = trl_sage.SageSettings(
+        guide=guide or guides.GuideConfig("none"), kl_estimator=kl_estimator
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = trl_sage.SageGRPOTrainer(
@@ -254,7 +256,7 @@ def test_trl_path_matches_policy_loss_with_a_guide(tiny_model_dir, tmp_path):
         # ... and the guide matters at that precision: without it, loss and gradient move by far
         # more.
         unguided = loss_and_grads(
-            trainer, lambda: reference_loss(trainer, inputs, guides.GuideConfig(), estimator)
+            trainer, lambda: reference_loss(trainer, inputs, guides.GuideConfig("none"), estimator)
         )
         moved = max((a - b).abs().max().item() for a, b in zip(ours[1], unguided[1]))
         assert moved > 1e-4, f"{guide_name}: the guide changes the gradient by only {moved:.2g}"

@@ -21,7 +21,6 @@ import torch
 
 import guides
 import loss
-from machinery import loss_metrics
 from toy import exact, problems, table
 from toy.exact import DTYPE, maximize
 from toy.fixed_points import (
@@ -1099,7 +1098,7 @@ def check_k3_value() -> list[Result]:
         fixed,
         loss.LossConfig(),
     )
-    metrics |= loss_metrics.anchor_offset(fixed.log_q, torch.ones_like(logps), q_constant=True)
+    metrics |= loss.anchor_offset(fixed.log_q, torch.ones_like(logps), q_constant=True)
     offset = q_position - 1.0 - math.log(q_position)
     return [
         equal(
