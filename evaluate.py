@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import guides
 import loss
@@ -717,6 +716,8 @@ def check_solutions(benchmarks: dict, solution_key: str, flag: str = "--solution
 def probe_benchmarks(args: EvalArgs, benchmarks: dict, results: dict) -> None:
     """The support probe (section 3) of the model (its adapter merged) on each benchmark of
     {name: problems}, at the evaluation's temperature and min-p, into ``results``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     check_solutions(benchmarks, args.solution_key)  # before the model loads
     if args.adapter:
         model = files.load_merged_model(args.model, args.adapter, args.dtype)

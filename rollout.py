@@ -24,8 +24,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from peft import PeftModel
-from transformers import AutoTokenizer
 
 from machinery import engine_checks, memory_plan, vllm_cpu
 from machinery.cli import UsageError
@@ -162,6 +160,8 @@ def base_weight_name(name: str) -> str | None:
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:
+    from peft import PeftModel
+
     return isinstance(model, PeftModel)
 
 
@@ -268,6 +268,8 @@ class VLLMEngine:
         engine_checks.force_in_process_engine()  # the weight push is a function call
         self.llm = self._start({**kwargs, **llm_kwargs}, starting)
         # transformers' tokenizer of the same files (vLLM's get_tokenizer() is a pool wrapper).
+        from transformers import AutoTokenizer
+
         self.tokenizer = AutoTokenizer.from_pretrained(path)
 
     def _start(self, kwargs: dict, starting):

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from peft import LoraConfig, get_peft_model
 from tqdm import tqdm
 
 import evaluate
@@ -244,6 +243,8 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def wrap_lora(model, rank: int, alpha: int):
     """LoRA adapters on the attention and MLP projections (paper: rank 8)."""
+    from peft import LoraConfig, get_peft_model
+
     lora = LoraConfig(
         r=rank,
         lora_alpha=alpha,

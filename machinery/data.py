@@ -20,8 +20,6 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import datasets
-
 from machinery.cli import UsageError
 from machinery.task import GRADERS, build_prompt_ids, sft_completion
 
@@ -54,6 +52,8 @@ def load_rows(
         raise DataError(
             f"{source}: unknown file type {extension!r}; use one of {', '.join(LOCAL_FORMATS)}"
         )
+    import datasets
+
     datasets.disable_progress_bars()
     try:
         if looks_local:

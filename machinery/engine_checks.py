@@ -17,8 +17,6 @@ import re
 import warnings
 
 import torch
-from safetensors import safe_open
-from transformers import AutoConfig
 
 
 class CheckError(ValueError):
@@ -77,6 +75,8 @@ def load_model_config(model_path: str | os.PathLike):
     Raises ``CheckError`` for a missing path, an unreadable config.json, no weight files, or a
     corrupt safetensors file (its header and size are checked; nothing is loaded).
     """
+    from transformers import AutoConfig
+
     path = os.fspath(model_path)
     is_local = os.path.isdir(path)
     if not is_local:
@@ -104,6 +104,8 @@ def load_model_config(model_path: str | os.PathLike):
 
 def check_weight_files(path: str) -> None:
     """Weight files exist, and each safetensors header reads (a truncated download does not)."""
+    from safetensors import safe_open
+
     shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not shards and not glob.glob(os.path.join(path, "*.bin")):
         raise CheckError(

@@ -21,7 +21,6 @@ import ctypes.util
 import psutil
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from machinery import hub
 
@@ -95,6 +94,8 @@ def load_base_model(
 ):
     """The base model and tokenizer from a hub name or a local directory, with a clear error;
     on ``device`` (default: the GPU if there is one), in its dtype."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     default_device, dtype = device_and_dtype(full_finetune)
     device = device or default_device
     try:
@@ -169,6 +170,8 @@ def check_full_finetune_fits(model_path: str, with_reference: bool, with_engine:
     """Refuse --full-finetune, before anything is loaded, when the weights alone would not fit
     the device (a 7B model needs ~168 GB with float32 weights): a one-line error naming what
     would fit."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     try:
         model_config = AutoConfig.from_pretrained(model_path)
     except (OSError, ValueError):

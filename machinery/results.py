@@ -24,8 +24,6 @@ import sys
 import time
 
 import torch
-from peft import PeftModel
-from transformers import AutoModelForCausalLM
 
 from machinery.data import DataError, problems_fingerprint
 from machinery.runs import write_jsonl_atomic
@@ -87,6 +85,9 @@ def model_identity(model_path: str, adapter_path: str | None = None) -> dict:
 def load_merged_model(model_path: str, adapter_path: str, dtype: str = "auto"):
     """The base model with a peft LoRA adapter merged into its weights, in memory (no copy on
     disk); the engine then takes these weights through ``sync_weights``."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
     return PeftModel.from_pretrained(base, adapter_path).merge_and_unload().eval()

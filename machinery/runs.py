@@ -23,9 +23,6 @@ import tempfile
 import time
 
 import torch
-from peft import set_peft_model_state_dict
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 # The environment of a stage run as a subprocess (extras/compare.py, bench/): vLLM in-process,
 # no hub, quiet tokenizers, OpenMP threads that sleep after ~1 ms of spinning (docs/history.md).
@@ -262,6 +259,10 @@ def save_checkpoint(run_dir: str, policy, optimizer, scheduler, state: dict) -> 
 
 def load_checkpoint(run_dir: str, policy, optimizer, scheduler) -> dict:
     """Restore weights (adapter or full), optimizer, scheduler and RNG; return the saved state."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
     final = checkpoint_dir(run_dir)
     if not has_checkpoint(run_dir):
         raise SystemExit(

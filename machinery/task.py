@@ -32,8 +32,6 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 
-from math_verify import parse, verify
-
 from machinery.cli import UsageError
 from machinery.grading_pool import DEFAULT_TIMEOUT_S as GRADE_TIMEOUT_S
 from machinery.grading_pool import GradingPool
@@ -136,6 +134,8 @@ def _parse_short_answer(text: str, timeout: int | None) -> list:
     (unwrapped, math-verify reads ``(1, 2]`` as the number 2); prose and plain numbers are
     parsed as they are (plain numbers skip the LaTeX parser: ~1 ms instead of ~20 ms).
     """
+    from math_verify import parse
+
     if not text.strip():
         return []
     if _PLAIN_NUMBER.fullmatch(text):
@@ -153,6 +153,8 @@ def _parse_reference(answer: str, timeout: int | None) -> list:
 
 
 def _grade_math(completion: str, answer: str, timeout: int | None) -> bool:
+    from math_verify import parse, verify
+
     reference = _parse_reference(str(answer), timeout)
     if not reference:
         return False

@@ -123,6 +123,25 @@ def test_as_a_user_types_it_one_line_in_seconds_and_nothing_written(argv, tmp_pa
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_bad_flag_is_refused_before_transformers_peft_or_vllm_is_imported():
+    """Refusing a flag costs torch's import and little more: the flags are read and checked
+    before any library that loads models (they are imported where they are used)."""
+    code = (
+        "import sys, sage\n"
+        "try:\n"
+        "    sage.parse_config(['--model', 'x', '--lr', '-1'])\n"
+        "except SystemExit as stop:\n"
+        "    assert stop.code == 2\n"
+        "heavy = ('transformers', 'peft', 'vllm', 'datasets', 'math_verify')\n"
+        "print(sorted(name for name in heavy if name in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import evaluate
@@ -346,7 +347,7 @@ def test_on_cuda_the_trainers_engine_starts_with_the_sequences_that_fit(monkeypa
     monkeypatch.setattr(
         rollout.VLLMEngine, "_start", lambda self, kwargs, starting: started.update(kwargs)
     )
-    monkeypatch.setattr(rollout.AutoTokenizer, "from_pretrained", lambda path: None)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: None)
     limits = rollout.engine_limits(prompts_per_call=8, n=8, max_prompt_len=512, max_model_len=8192)
     rollout.VLLMEngine("/a/7b", max_model_len=8192, **limits)
     at_once = memory_plan.engine_sequences(
