@@ -90,7 +90,7 @@ def estimate_update_peak(model_config, config, dtype: torch.dtype, with_referenc
     B: --micro-batch-size; T = B x --max-seq-len tokens, of which N = B x the completion budget
     are completion positions; a micro-batch at full length.
 
-    * Weights, gradients, AdamW's two moments. LoRA (``models.wrap_lora``): the base in s, and
+    * Weights, gradients, AdamW's two moments. LoRA (``sage.wrap_lora``): the base in s, and
       rank r adapters on q, k, v, o, gate, up and down, kept in float32 by peft: r (in + out)
       each, r (7h + 2q + 2 kv + 3I) a layer; the reference is the base with the adapter off.
       --full-finetune: every weight in float32, plus a frozen copy when a KL anchor needs one.
