@@ -39,20 +39,15 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gpu_step  # noqa: E402  (bench/, the script's own directory)
+
 import loss  # noqa: E402
 import sage  # noqa: E402
 from extras import memory_sim  # noqa: E402
 from machinery import flag_checks, memory_plan, models  # noqa: E402
 
 DOCUMENTED_PLAN_GB = {256: 20.27}  # docs/gpu.md: the plan's update peak at 256 + 1,536 tokens
-TINY = dict(
-    hidden_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    intermediate_size=512,
-    vocab_size=4096,
-)
+TINY = gpu_step.SMALL  # the small shape bench/gpu_step.py measures
 
 
 def model_config(shape: dict):
@@ -88,35 +83,11 @@ def run_config(model_dir: str, prompt_len: int, args) -> sage.Config:
 
 
 def build_policy(config, model_cfg, device: torch.device, dtype: torch.dtype):
-    """The model from its config on the device in ``dtype``, wrapped as the trainer wraps it,
-    and AdamW with its moments already made (a step after the first, as the plan counts)."""
-    from transformers import AutoModelForCausalLM
-
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(
-                model_cfg, attn_implementation=models.attention_implementation(dtype)
-            )
-    finally:
-        torch.set_default_dtype(default_dtype)
-    if config.gradient_checkpointing:
-        models.enable_gradient_checkpointing(model)
-    policy, reference = sage.make_policy(
-        model,
-        full_finetune=config.full_finetune,
-        lora_rank=config.lora_rank,
-        lora_alpha=config.lora_alpha,
-        with_reference=sage.needs_reference(config),
-    )
-    optimizer, _ = models.make_optimizer(policy, config.lr, config.weight_decay, 10, 1)
-    trained = [p for p in policy.parameters() if p.requires_grad]
-    for parameter in trained:
-        parameter.grad = torch.zeros_like(parameter)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return policy, reference, optimizer
+    """The trainer's policy, reference and AdamW (its moments made) on the device, as
+    ``memory_sim.build_trainer`` builds them for the simulation, with the attention the trainer
+    picks there (flash-attention 2 or SDPA)."""
+    attention = models.attention_implementation(dtype)
+    return memory_sim.build_trainer(model_cfg, config, dtype, device, attention=attention)
 
 
 def measure_step(policy, reference, optimizer, config, vocab: int, count: bool) -> dict:

@@ -188,38 +188,45 @@ def step_rollouts(config, vocab: int, count: int) -> sage.Rollouts:
     )
 
 
+def build_trainer(model_config, config, dtype: torch.dtype, device, attention: str = "sdpa"):
+    """(policy, reference, optimizer) of a model built from its config on ``device`` in
+    ``dtype`` (no weights read), wrapped as sage.py wraps it, with AdamW's moments already made
+    (a step after the first: the steady state the plan counts)."""
+    from transformers import AutoModelForCausalLM
+
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(model_config, attn_implementation=attention)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if config.gradient_checkpointing:
+        models.enable_gradient_checkpointing(model)
+    policy, reference = sage.make_policy(
+        model,
+        full_finetune=config.full_finetune,
+        lora_rank=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        with_reference=sage.needs_reference(config),
+    )
+    optimizer, _ = models.make_optimizer(policy, config.lr, config.weight_decay, 10, 1)
+    for parameter in (p for p in policy.parameters() if p.requires_grad):
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return policy, reference, optimizer
+
+
 def simulate_update(model_config, config, dtype: torch.dtype, device: str = "meta") -> dict:
     """Bytes of one steady-state update step counted storage by storage: ``weights`` (the
     trainer's model, adapters and reference), ``resident`` (with AdamW's moments: what stays
     between steps), ``peak`` and the op at the peak. On ``meta``, simulated; on ``cpu``, a real
     step of a small model (the simulation's check)."""
-    from transformers import AutoModelForCausalLM
-
     with contextlib.ExitStack() as stack:
         if device == "meta":
             stack.enter_context(cuda_kernels_on_meta())
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                model = AutoModelForCausalLM.from_config(model_config, attn_implementation="sdpa")
-        finally:
-            torch.set_default_dtype(default_dtype)
-        if config.gradient_checkpointing:
-            models.enable_gradient_checkpointing(model)
-        policy, reference = sage.make_policy(
-            model,
-            full_finetune=config.full_finetune,
-            lora_rank=config.lora_rank,
-            lora_alpha=config.lora_alpha,
-            with_reference=sage.needs_reference(config),
-        )
-        optimizer, _ = models.make_optimizer(policy, config.lr, config.weight_decay, 10, 1)
-        trained = [p for p in policy.parameters() if p.requires_grad]
-        for parameter in trained:  # a step after the first: AdamW's moments exist
-            parameter.grad = torch.zeros_like(parameter)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        policy, reference, optimizer = build_trainer(model_config, config, dtype, device)
 
         counter = LiveStorages(device)
         held_models = [policy] + ([reference] if reference is not None else [])
