@@ -650,6 +650,56 @@ def update_policy(
     return {**metrics.result(), "grad_norm": sum(grad_norms) / len(grad_norms)}
 
 
+def train_on(
+    policy,
+    reference,
+    optimizer,
+    rollouts: Rollouts,
+    rewards,
+    config: Config,
+    step,
+    generator,
+    timer,
+    pad_id: int,
+) -> dict:
+    """Steps 2-4 of an RL step on its graded rollouts [N], rewards [N]: per micro-batch what the
+    update holds fixed (pi_ref's log-probs; pi_old's and log q when they must come before it),
+    the advantages, then the update itself; its metrics."""
+    batches = micro_batches(rollouts, config, pad_id=pad_id, device=policy.device)
+    # 2. what the update holds fixed: pi_ref's log-probs (pi_old's, log q if needed)
+    with timer("reference"):
+        held = [
+            held_fixed_logps(
+                policy, reference, batch=batch, config=config, step=step, generator=generator
+            )
+            for _, batch in batches
+        ]
+    # 3. advantages (with k1_return, of the returns the pseudo-KL shaped)
+    advantages = step_advantages(rewards, batches, held=held, config=config)
+    # 4. per micro-batch: forward pass -> log q -> loss -> backward; per pass, AdamW
+    with timer("update"):
+        return update_policy(
+            policy,
+            optimizer,
+            batches=batches,
+            held=held,
+            advantages=advantages,
+            config=config,
+            step=step,
+            generator=generator,
+        )
+
+
+def evaluate_if_due(engine, policy, tokenizer, benchmarks, config: Config, logger, updates: int):
+    """pass@k (and, with --eval-solution-key, the support probe) after ``updates`` optimizer
+    steps when --eval-every says so (evaluate.py); its rows to eval.jsonl and the trackers."""
+    if evaluate.due(config, benchmarks, updates=updates):
+        rows = evaluate.training_evaluation(
+            engine, tokenizer, benchmarks, config, updates=updates, policy=policy
+        )
+        logger.log_evaluation(rows)
+
+
 # ---- main(): the run, stage by stage -----------------------------------------------------------
 
 
@@ -674,12 +724,8 @@ def main(argv: list[str] | None = None) -> dict:
     logger = trackers.RunLogger(config, run_dir, forecast_gb=forecast_gb)
     with runs.CountedMemory() as engine_memory:  # CUDA: what the engine keeps in torch's counters
         engine = start_engine(config, base_path, policy=policy, reference=reference)
-    # pass@k (and the support probe) of the starting policy, unless a resumed run has it already
-    if start == 0 and evaluate.due(config, held_out, updates=0):
-        rows = evaluate.training_evaluation(
-            engine, tokenizer, held_out, config, updates=0, policy=policy
-        )
-        logger.log_evaluation(rows)
+    if start == 0:  # pass@k (and the probe) of the starting policy, not again on a resume
+        evaluate_if_due(engine, policy, tokenizer, held_out, config, logger=logger, updates=0)
     with tqdm(desc="rl", initial=start, total=config.steps) as progress:
         for step in range(start, config.steps):
             timer = runs.PhaseTimer(engine=engine_memory)  # the trainer's peaks, engine left out
@@ -696,36 +742,19 @@ def main(argv: list[str] | None = None) -> dict:
             with timer("sleep"):
                 engine.sleep(level=2)  # CUDA: drop the engine's weights and KV cache
             if rewards.numel() > 0:  # (dynamic sampling may leave no group with signal)
-                batches = micro_batches(
-                    rollouts, config, pad_id=tokenizer.pad_token_id, device=policy.device
+                # 2-4. what the update holds fixed, the advantages, the update (AdamW)
+                metrics |= train_on(
+                    policy,
+                    reference,
+                    optimizer,
+                    rollouts=rollouts,
+                    rewards=rewards,
+                    config=config,
+                    step=step,
+                    generator=guide_generator,
+                    timer=timer,
+                    pad_id=tokenizer.pad_token_id,
                 )
-                # 2. what the update holds fixed: pi_ref's log-probs (pi_old's, log q if needed)
-                with timer("reference"):
-                    held = [
-                        held_fixed_logps(
-                            policy,
-                            reference,
-                            batch=batch,
-                            config=config,
-                            step=step,
-                            generator=guide_generator,
-                        )
-                        for _, batch in batches
-                    ]
-                # 3. advantages (with k1_return, of the returns the pseudo-KL shaped)
-                advantages = step_advantages(rewards, batches, held=held, config=config)
-                # 4. per micro-batch: forward pass -> log q -> loss -> backward; per pass, AdamW
-                with timer("update"):
-                    metrics |= update_policy(
-                        policy,
-                        optimizer,
-                        batches=batches,
-                        held=held,
-                        advantages=advantages,
-                        config=config,
-                        step=step,
-                        generator=guide_generator,
-                    )
             scheduler.step()
             # 5. the weight push into the engine
             with timer("sync"):
@@ -740,11 +769,7 @@ def main(argv: list[str] | None = None) -> dict:
                 lr=scheduler.get_last_lr()[0],
                 progress=progress,
             )
-            if evaluate.due(config, held_out, updates=step + 1):
-                rows = evaluate.training_evaluation(
-                    engine, tokenizer, held_out, config, updates=step + 1, policy=policy
-                )
-                logger.log_evaluation(rows)
+            evaluate_if_due(engine, policy, tokenizer, held_out, config, logger, updates=step + 1)
             progress.update()
             # 7. checkpoint (and --stop-after)
             if runs.checkpoint_if_due(run_dir, step, start=start, config=config, state=state):
