@@ -10,8 +10,9 @@ micro-batch, the guide's log q (guides.py, Eqs. 9-12) and the loss, a clipped su
 beta times the pseudo-KL against p~ = pi_ref * q (Eqs. 3-8) -> AdamW -> weight push -> log ->
 checkpoint. ``grep -n "# SAGE:" *.py`` lists every place where SAGE departs from GRPO. Left out,
 each behind its flag (extras/): the SFT warm start (App. E.2), DAPO's dynamic sampling,
-self-hints. The padded batch (``collate``) and pi_ref (``reference_mode``) are here, the weight
-push in rollout.py; from machinery/ come the reward, the model's loading and the run's files.
+self-hints. pi_ref (``reference_mode``) is here, the padded batch (``collate``) in loss.py beside
+the log-probs, the weight push in rollout.py; from machinery/ come the reward, the model's
+loading and the run's files.
 Deviations: docs/deviations.md.
 """
 

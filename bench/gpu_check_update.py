@@ -41,7 +41,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpu_step  # noqa: E402  (bench/, the script's own directory)
 
-import loss  # noqa: E402
 import sage  # noqa: E402
 from extras import memory_sim  # noqa: E402
 from machinery import flag_checks, memory_plan, models  # noqa: E402
@@ -90,17 +89,12 @@ def build_policy(config, model_cfg, device: torch.device, dtype: torch.dtype):
     return memory_sim.build_trainer(model_cfg, config, dtype, device, attention=attention)
 
 
-def measure_step(policy, reference, optimizer, config, vocab: int, count: bool) -> dict:
+def measure_step(policy, reference, optimizer, config, model_cfg, count: bool) -> dict:
     """One steady-state update on the first two micro-batches of a full-length step, as
     ``memory_sim.simulate_update`` runs it: peak memory, time, loss, gradient norm and how far
     the trained weights moved."""
     device = next(policy.parameters()).device
     on_cuda = device.type == "cuda"
-    sequences = config.prompts_per_step * config.rollouts
-    rollouts = memory_sim.step_rollouts(config, vocab, min(sequences, 2 * config.micro_batch_size))
-    rewards = torch.arange(sequences, dtype=torch.float32) % 2  # every group has signal
-    advantages = loss.compute_advantages(rewards, config.rollouts, config.loss.advantage)
-    generator = torch.Generator().manual_seed(0)
     trained = [p for p in policy.parameters() if p.requires_grad]
     before = [p.detach().to("cpu", copy=True) for p in trained]  # off the GPU: not in its peak
     counter = memory_sim.LiveStorages(device.type)
@@ -118,23 +112,7 @@ def measure_step(policy, reference, optimizer, config, vocab: int, count: bool) 
     start_allocated = torch.cuda.memory_allocated() if on_cuda else None
     started = time.perf_counter()
     with counter if count else _nothing():
-        batches = sage.micro_batches(rollouts, config, pad_id=0, device=device)
-        held = [
-            sage.held_fixed_logps(
-                policy, reference, batch=batch, config=config, step=0, generator=generator
-            )
-            for _, batch in batches
-        ]
-        metrics = sage.update_policy(
-            policy,
-            optimizer,
-            batches=batches,
-            held=held,
-            advantages=advantages,
-            config=config,
-            step=0,
-            generator=generator,
-        )
+        metrics = memory_sim.train_on_step_rollouts(policy, reference, optimizer, config, model_cfg)
     if on_cuda:
         torch.cuda.synchronize()
     step_s = time.perf_counter() - started
@@ -151,7 +129,7 @@ def measure_step(policy, reference, optimizer, config, vocab: int, count: bool) 
         "loss": metrics.get("loss"),
         "grad_norm": metrics.get("grad_norm"),
         "weights_moved_max_abs": moved,
-        "rows": len(rollouts.completion_ids),
+        "rows": memory_sim.simulated_rows(config),
     }
 
 
@@ -223,9 +201,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "fast_logprobs": config.fast_logprobs,
                 "lora_rank": config.lora_rank,
             }
-            row |= measure_step(
-                policy, reference, optimizer, config, shape["vocab_size"], args.count
-            )
+            row |= measure_step(policy, reference, optimizer, config, model_cfg, args.count)
             if on_cuda:
                 torch.cuda.empty_cache()
             if not args.no_plan:  # the same step simulated, in the measured dtype

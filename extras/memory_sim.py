@@ -29,7 +29,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import loss
 import sage
 from machinery import cli, memory_plan, models
 
@@ -218,6 +217,46 @@ def build_trainer(model_config, config, dtype: torch.dtype, device, attention: s
     return policy, reference, optimizer
 
 
+def untimed(phase: str):
+    """A timer for ``sage.train_on`` that times nothing (a PhaseTimer resets CUDA's peak
+    statistics as each phase starts, which a measurement of the whole step must not)."""
+    return contextlib.nullcontext()
+
+
+def simulated_rows(config) -> int:
+    """The rows of a step the update is run on: two micro-batches (the peak comes by the
+    second), rounded up to whole groups (the advantages are per group).
+
+    >>> from types import SimpleNamespace as Config
+    >>> simulated_rows(Config(prompts_per_step=8, rollouts=8, micro_batch_size=4))
+    8
+    >>> simulated_rows(Config(prompts_per_step=8, rollouts=8, micro_batch_size=1))
+    8
+    """
+    sequences, group = config.prompts_per_step * config.rollouts, config.rollouts
+    return min(sequences, -(-2 * config.micro_batch_size // group) * group)
+
+
+def train_on_step_rollouts(policy, reference, optimizer, config, model_config) -> dict:
+    """``sage.train_on``, steps 2-4 of the trainer's step, on ``simulated_rows`` of a step at
+    full length. Returns its metrics."""
+    count = simulated_rows(config)
+    rollouts = step_rollouts(config, model_config.get_text_config().vocab_size, count)
+    rewards = torch.arange(count, dtype=torch.float32) % 2  # every group has signal
+    return sage.train_on(
+        policy,
+        reference,
+        optimizer,
+        rollouts=rollouts,
+        rewards=rewards,
+        config=config,
+        step=0,
+        generator=torch.Generator().manual_seed(0),
+        timer=untimed,
+        pad_id=0,
+    )
+
+
 def simulate_update(model_config, config, dtype: torch.dtype, device: str = "meta") -> dict:
     """Bytes of one steady-state update step counted storage by storage: ``weights`` (the
     trainer's model, adapters and reference), ``resident`` (with AdamW's moments: what stays
@@ -238,30 +277,8 @@ def simulate_update(model_config, config, dtype: torch.dtype, device: str = "met
                 if isinstance(value, torch.Tensor) and value.device.type == device:
                     counter.add(value, "AdamW state")
         resident = counter.total
-        sequences = config.prompts_per_step * config.rollouts
-        count = min(sequences, 2 * config.micro_batch_size)  # the peak comes by the second
-        rollouts = step_rollouts(config, model_config.get_text_config().vocab_size, count)
-        rewards = torch.arange(sequences, dtype=torch.float32) % 2
-        advantages = loss.compute_advantages(rewards, config.rollouts, config.loss.advantage)
-        generator = torch.Generator().manual_seed(0)
         with counter:
-            batches = sage.micro_batches(rollouts, config, pad_id=0, device=device)
-            held = [
-                sage.held_fixed_logps(
-                    policy, reference, batch=batch, config=config, step=0, generator=generator
-                )
-                for _, batch in batches
-            ]
-            sage.update_policy(
-                policy,
-                optimizer,
-                batches=batches,
-                held=held,
-                advantages=advantages,
-                config=config,
-                step=0,
-                generator=generator,
-            )
+            train_on_step_rollouts(policy, reference, optimizer, config, model_config)
         return {
             "weights": weights,
             "resident": resident,
