@@ -499,45 +499,49 @@ def sampled_logps(model, batch: dict, config: Config, min_p: float | None = None
 
 
 @torch.no_grad()
-def held_fixed_logps(policy, reference, batch: dict, config: Config, step: int, generator):
+def held_fixed_logps(policy, reference, batch: dict, config: Config):
     """The per-token tensors that stay fixed during the update (Eq. 3), each [B, C], as a
-    ``loss.HeldFixed``: the reference's log-probs (when the anchor is on); pi_old's log-probs and
-    entropies when the update needs them before its own forward pass (--ppo-epochs > 1: pi_old
-    must not move between passes; k1_return: the returns need them); and the guide's log q when
-    its signals are here."""
+    ``loss.HeldFixed``: the reference's log-probs and entropies (when the anchor is on), and
+    pi_old's log-probs and entropies when the update needs them before its own forward pass
+    (--ppo-epochs > 1: pi_old must not move between passes; k1_return: the returns need them).
+    The guide's log q is computed from these signals later, by ``guide_log_q``."""
     held = loss.HeldFixed(engine_logps=batch["engine_logps"])
-    guide_signals = None  # (log-probs, entropies) that the guide reads, if this pass has them
     if needs_reference(config):
         with reference_mode(policy, reference) as reference_policy:
             # The reference's full softmax is the anchor (the authors' too); replaying min-p there
             # would act as an implicit guide q = 1 / M_ref (docs/min-p.md).
             ref_min_p = config.min_p if config.loss.reference_min_p else 0.0
-            held.ref_logps, ref_entropies = sampled_logps(
+            held.ref_logps, held.ref_entropies = sampled_logps(
                 reference_policy, batch, config=config, min_p=ref_min_p
             )
-        if config.guide.entropy == "reference":  # --guide-entropy reference: pi_ref's signals
-            guide_signals = (held.ref_logps, ref_entropies)
     if config.ppo_epochs > 1 or config.loss.kl_estimator == "k1_return":
         held.old_logps, held.entropies = sampled_logps(policy, batch, config=config)
-        guide_signals = guide_signals or (held.old_logps, held.entropies)
-    # Where log q is computed is decided here: from this pass when it has the guide's signals,
-    # else (on-policy, one pass: the paper's step) from the update's own forward pass, at no cost.
-    if guide_signals is not None:
-        signal_logps, signal_entropies = guide_signals
-        # The guide's log q_t (Eqs. 7, 9-12) from the signals held fixed here
-        held.log_q = guides.compute_log_q(  # SAGE: log q, computed before the update
+    return held
+
+
+def guide_log_q(fixed: loss.HeldFixed, mask, config: Config, step: int, generator):
+    """SAGE: the guide's log q_t (Eqs. 7, 9-12) of one micro-batch, [B, C]. The one place log q
+    is computed: the first time it is asked for (by the k1_return returns, else by the update's
+    first pass), then held fixed like pi_old and pi_ref (Eq. 3). The guide reads pi_ref's
+    signals with --guide-entropy reference (the reference pass's, at no extra cost), else
+    pi_old's: the held pass's, or on-policy the update's own forward pass (at no cost either)."""
+    if fixed.log_q is None:
+        reads_reference = config.guide.entropy == "reference" and needs_reference(config)
+        fixed.log_q = guides.compute_log_q(
             config.guide,
-            signal_logps,
-            entropies=signal_entropies,
-            completion_mask=batch["completion_mask"],
+            fixed.ref_logps if reads_reference else fixed.old_logps,
+            entropies=fixed.ref_entropies if reads_reference else fixed.entropies,
+            completion_mask=mask,
             step=step,
             total_steps=config.steps,
             generator=generator,
         )
-    return held
+    return fixed.log_q
 
 
-def kl_shaped_returns(rewards: torch.Tensor, batches: list, held: list, beta: float):
+def kl_shaped_returns(
+    rewards: torch.Tensor, batches: list, held: list, config: Config, step: int, generator
+):
     """SAGE (k1_return, Eq. 8): each reward minus beta times its completion's k1 against p~ =
     pi_ref * q, so that the advantages carry the pseudo-KL and the fixed point is Eq. 4's.
 
@@ -545,24 +549,29 @@ def kl_shaped_returns(rewards: torch.Tensor, batches: list, held: list, beta: fl
     """
     returns = []
     for (rows, batch), fixed in zip(batches, held):
+        mask = batch["completion_mask"]
         shaped = loss.kl_shaped_rewards(
             rewards[rows],
             fixed.old_logps,
             ref_logps=fixed.ref_logps,
-            log_q=fixed.log_q,
-            completion_mask=batch["completion_mask"],
-            beta=beta,
+            log_q=guide_log_q(fixed, mask, config=config, step=step, generator=generator),
+            completion_mask=mask,
+            beta=config.loss.beta,
         )
         returns.append(shaped.cpu())
     return torch.cat(returns)
 
 
-def step_advantages(rewards: torch.Tensor, batches: list, held: list, config: Config):
+def step_advantages(
+    rewards: torch.Tensor, batches: list, held: list, config: Config, step: int, generator
+):
     """One advantage per completion [N]; with k1_return, of the returns the pseudo-KL shaped."""
     returns = rewards
     if config.loss.kl_estimator == "k1_return" and needs_reference(config):
         # SAGE: each return minus beta * k1 against p~ = pi_ref * q (Eq. 8)
-        returns = kl_shaped_returns(rewards, batches, held=held, beta=config.loss.beta)
+        returns = kl_shaped_returns(
+            rewards, batches, held=held, config=config, step=step, generator=generator
+        )
     return loss.compute_advantages(returns, config.rollouts, kind=config.loss.advantage)
 
 
@@ -609,19 +618,9 @@ def update_policy(
         for (rows, batch), fixed in zip(batches, held):
             mask = batch["completion_mask"]
             logps, entropies = sampled_logps(policy, batch, config=config)  # [B, C] each
-            if fixed.old_logps is None:  # on-policy, one pass: pi_old = pi_theta, q from this pass
+            if fixed.old_logps is None:  # on-policy, one pass: pi_old = pi_theta
                 fixed = dataclasses.replace(fixed, old_logps=logps.detach(), entropies=entropies)
-                if fixed.log_q is None:
-                    # The guide's log q_t (Eqs. 7, 9-12) from this forward pass's signals
-                    fixed.log_q = guides.compute_log_q(  # SAGE: log q, computed here
-                        config.guide,
-                        fixed.old_logps,
-                        entropies=entropies,
-                        completion_mask=mask,
-                        step=step,
-                        total_steps=config.steps,
-                        generator=generator,
-                    )
+            guide_log_q(fixed, mask, config=config, step=step, generator=generator)  # SAGE: q
             micro_loss, micro_metrics = loss.policy_loss(
                 logps,
                 advantages[rows].to(device),
@@ -669,14 +668,11 @@ def train_on(
     batches = micro_batches(rollouts, config, pad_id=pad_id, device=policy.device)
     # 2. what the update holds fixed: pi_ref's log-probs (pi_old's, log q if needed)
     with timer("reference"):
-        held = [
-            held_fixed_logps(
-                policy, reference, batch=batch, config=config, step=step, generator=generator
-            )
-            for _, batch in batches
-        ]
+        held = [held_fixed_logps(policy, reference, batch, config=config) for _, batch in batches]
     # 3. advantages (with k1_return, of the returns the pseudo-KL shaped)
-    advantages = step_advantages(rewards, batches, held=held, config=config)
+    advantages = step_advantages(
+        rewards, batches, held=held, config=config, step=step, generator=generator
+    )
     # 4. per micro-batch: forward pass -> log q -> loss -> backward; per pass, AdamW
     with timer("update"):
         return update_policy(

@@ -165,11 +165,10 @@ def test_one_update_runs_chapter_code_only_from_the_graded_rollouts_to_the_optim
     sys.setprofile(record)
     try:
         batches = sage.micro_batches(rollouts, config, pad_id=0, device="cpu")
-        held = [
-            sage.held_fixed_logps(policy, reference, batch, config, step=0, generator=generator)
-            for _, batch in batches
-        ]
-        advantages = sage.step_advantages(rewards, batches, held=held, config=config)
+        held = [sage.held_fixed_logps(policy, reference, batch, config) for _, batch in batches]
+        advantages = sage.step_advantages(
+            rewards, batches, held=held, config=config, step=0, generator=generator
+        )
         metrics = sage.update_policy(
             policy, optimizer, batches, held, advantages, config, step=0, generator=generator
         )

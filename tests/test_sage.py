@@ -263,10 +263,7 @@ def test_micro_batches_accumulate_the_full_batch_gradient(tiny, aggregation, gui
         if len(batches) == 1:
             whole = batches[0][1]  # the step in one micro-batch: its longest sequences
         generator = torch.Generator().manual_seed(0)
-        fixed = [
-            sage.held_fixed_logps(policy, reference, batch, config, step=0, generator=generator)
-            for _, batch in batches
-        ]
+        fixed = [sage.held_fixed_logps(policy, reference, batch, config) for _, batch in batches]
         sage.update_policy(
             policy, recorder, batches, fixed, advantages, config, step=0, generator=generator
         )
@@ -309,7 +306,9 @@ def test_k1_return_shaping_keeps_every_tensor_on_the_log_probs_device():
                         old_logps, -torch.rand(len(rows), 5, device="cuda"), log_q, entropies
                     )
                 )
-            returns = sage.kl_shaped_returns(rewards, batches, fixed, config.loss.beta)
+            returns = sage.kl_shaped_returns(
+                rewards, batches, fixed, config, step=0, generator=generator
+            )
             advantages = loss.compute_advantages(returns, config.rollouts, config.loss.advantage)
             assert advantages.shape == (6,) and returns.device.type == "cpu"
             assert all(held.log_q.device.type == "cuda" for held in fixed)
@@ -340,11 +339,11 @@ def test_plain_grpo_anchors_to_the_full_softmax_reference(tiny, float64_qwen2):
     )
     batch["engine_logps"] = torch.zeros_like(batch["completion_mask"])
     config = sage.Config(model="m", temperature=0.8, min_p=0.3)
-    full = sage.held_fixed_logps(model, model, batch, config, step=0, generator=None).ref_logps
+    full = sage.held_fixed_logps(model, model, batch, config).ref_logps
     replay = dataclasses.replace(
         config, loss=dataclasses.replace(config.loss, reference_min_p=True)
     )
-    replayed = sage.held_fixed_logps(model, model, batch, replay, step=0, generator=None).ref_logps
+    replayed = sage.held_fixed_logps(model, model, batch, replay).ref_logps
     with torch.no_grad():
         positions = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
         logits = model(
@@ -394,7 +393,8 @@ def test_loss_distribution_sets_what_the_policy_log_probs_and_the_guide_read(tin
         )
         with torch.no_grad():
             logps, entropies = sage.sampled_logps(model, batch, config=config)
-        held = sage.held_fixed_logps(model, model, batch, config, step=0, generator=None)
+        held = sage.held_fixed_logps(model, model, batch, config)
+        sage.guide_log_q(held, batch["completion_mask"], config, step=0, generator=None)
         min_p = 0.3 if distribution == "min_p" else 0.0
         expected, expected_entropies = loss.token_logps_and_entropies(logits, ids, 0.8, min_p)
         tolerance = bounds.model_bound(model, batch)
@@ -429,8 +429,10 @@ def test_guide_entropy_reference_takes_q_from_the_reference_pass(tiny):
     for entropy in ("reference", "policy"):
         guide = guides.GuideConfig(name="branch", tau=0.1, q_max=4.0, entropy=entropy)
         config = sage.Config(model="m", guide=guide, min_p=0.0)
-        held[entropy] = sage.held_fixed_logps(policy, reference, batch, config, 0, generator=None)
-    assert held["policy"].log_q is None  # the update's own forward pass computes it
+        held[entropy] = sage.held_fixed_logps(policy, reference, batch, config)
+        if entropy == "reference":
+            sage.guide_log_q(held[entropy], mask, config, step=0, generator=None)
+    assert held["policy"].old_logps is None  # the update's own forward pass gives the signals
     reference_logps, reference_entropies = loss.completion_logps(reference, batch, 1.0, 0.0)
     policy_logps, policy_entropies = loss.completion_logps(policy, batch, 1.0, 0.0)
     guide = guides.GuideConfig(name="branch", tau=0.1, q_max=4.0)
@@ -475,11 +477,8 @@ def _sage_step(policy, reference, rollouts, rewards, config, pad_id):
     recorder = GradientRecorder(policy.parameters())
     batches = sage.micro_batches(rollouts, config, pad_id, "cpu")
     generator = torch.Generator().manual_seed(0)
-    held = [
-        sage.held_fixed_logps(policy, reference, b, config, step=0, generator=generator)
-        for _, b in batches
-    ]
-    advantages = sage.step_advantages(rewards, batches, held, config)
+    held = [sage.held_fixed_logps(policy, reference, b, config) for _, b in batches]
+    advantages = sage.step_advantages(rewards, batches, held, config, step=0, generator=generator)
     sage.update_policy(
         policy, recorder, batches, held, advantages, config, step=0, generator=generator
     )
@@ -627,13 +626,12 @@ def test_ppo_epochs_step_after_each_pass_against_the_pi_old_held_before_the_firs
     policy, reference = _wiring_models(tokenizer)
     batches = sage.micro_batches(rollouts, config, pad_id, "cpu")
     generator = torch.Generator().manual_seed(0)
-    held = [
-        sage.held_fixed_logps(policy, reference, b, config, step=0, generator=generator)
-        for _, b in batches
-    ]
+    held = [sage.held_fixed_logps(policy, reference, b, config) for _, b in batches]
+    for (_, b), fixed in zip(batches, held):  # log q held before the update, as k1_return's
+        sage.guide_log_q(fixed, b["completion_mask"], config, step=0, generator=generator)
     names = ("old_logps", "ref_logps", "log_q")
     before = [{name: getattr(fixed, name).clone() for name in names} for fixed in held]
-    advantages = sage.step_advantages(rewards, batches, held, config)
+    advantages = sage.step_advantages(rewards, batches, held, config, step=0, generator=generator)
     calls, policy_loss = [], loss.policy_loss  # what each micro-batch of each pass fed the loss
 
     def recording_loss(logps, *args, **kwargs):
