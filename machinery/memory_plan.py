@@ -34,7 +34,7 @@ import math
 import torch
 
 from machinery import fast_logprobs, hub
-from machinery.engine_checks import CheckError
+from machinery.vllm_backend import CheckError
 
 CARDS_GB = (24, 40, 48, 80, 141)
 # The paper's model, Qwen2.5-Math-7B (DeepSeek-R1-Distill-Qwen-7B has the same shape): the

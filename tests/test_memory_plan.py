@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 import evaluate
 import sage
 from extras import memory_sim
-from machinery import engine_checks, memory_plan
+from machinery import memory_plan, vllm_backend
 
 TINY_SHAPE = dict(
     hidden_size=64,
@@ -244,7 +244,7 @@ def test_a_step_whose_kv_cache_does_not_fit_samples_in_waves(tmp_path):
     assert awake <= (1 - memory_plan.GPU_HEADROOM) * 48e9 < awake + per_sequence + 0.01 * 48e9
     assert engine["share"] * 48e9 >= engine["weights"] + engine["working"] + engine["kv_cache"]
     # One more sequence would not fit: the count is the largest.
-    with pytest.raises(engine_checks.CheckError, match="more than the GPU holds"):
+    with pytest.raises(vllm_backend.CheckError, match="more than the GPU holds"):
         memory_plan.cuda_memory_share(
             model_config,
             max_model_len=8192,
@@ -292,11 +292,11 @@ def test_a_requested_share_too_small_or_too_large_names_the_share_that_works():
     model_config = Qwen2Config(**SEVEN_B_SHAPE)
     sizing = dict(max_model_len=8192, step_sequences=64, total_bytes=48 * 10**9)
     for requested in (0.3, 0.37, 0.375):
-        with pytest.raises(engine_checks.CheckError, match=r"pass (\d\.\d\d) or more") as small:
+        with pytest.raises(vllm_backend.CheckError, match=r"pass (\d\.\d\d) or more") as small:
             memory_plan.engine_sequences(model_config, requested=requested, **sizing)
         suggested = float(small.value.args[0].split("pass ")[1].split(" ")[0])
         assert memory_plan.engine_sequences(model_config, requested=suggested, **sizing) >= 1
-    with pytest.raises(engine_checks.CheckError, match=r"pass at most (\d\.\d\d)") as large:
+    with pytest.raises(vllm_backend.CheckError, match=r"pass at most (\d\.\d\d)") as large:
         memory_plan.engine_sequences(model_config, requested=0.9, **sizing)
     most = float(large.value.args[0].split("at most ")[1].split(",")[0])
     fit = memory_plan.engine_sequences(model_config, requested=most, **sizing)
@@ -338,7 +338,7 @@ def test_on_cuda_the_trainers_engine_starts_with_the_sequences_that_fit(monkeypa
     seven_b = Qwen2Config(**{**SEVEN_B_SHAPE, "max_position_embeddings": 32768})
     trainer_bytes = 15_500_000_000
     card = type("Card", (), {"total_memory": 48 * 10**9})
-    monkeypatch.setattr(engine_checks, "load_model_config", lambda path: seven_b)
+    monkeypatch.setattr(vllm_backend, "load_model_config", lambda path: seven_b)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: trainer_bytes)
