@@ -8,8 +8,8 @@ is that of the distribution it was sampled from, softmax(logits / T) after the m
 top-p masks (TRL keeps the raw model's); loss.py replays them, so on-policy the two agree.
 
 The weight push (``engine_weights``) merges a LoRA adapter out of place, one layer at a time.
-Beside it: machinery/engine_checks.py (one-line errors), machinery/memory_plan.py (the
-engine's share of the GPU), machinery/vllm_cpu.py (vLLM's CPU backend, docs/vllm-cpu.md) and
+Beside it: machinery/vllm_backend.py (one-line errors, vLLM's fixes, its CPU backend:
+docs/vllm-cpu.md), machinery/memory_plan.py (the engine's share of the GPU) and
 extras/hf_engine.py (the same interface over transformers ``generate``, backend "hf"; it
 imports this file, so this file never imports it: the callers choose the backend).
 """
@@ -25,15 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from machinery import engine_checks, memory_plan, vllm_cpu
+from machinery import memory_plan, vllm_backend
 from machinery.cli import UsageError
-from machinery.engine_checks import (
-    CheckError,
-    check_prompts,
-    check_sampling,
-    engine_error_message,
-    push_error_message,
-)
+from machinery.vllm_backend import CheckError, check_prompts, check_sampling, push_error_message
 
 # vLLM is imported where an engine starts: the hf backend runs where vLLM is not installed.
 
@@ -50,7 +44,7 @@ class RolloutError(UsageError):
 
 @contextlib.contextmanager
 def rollout_errors():
-    """Raise the input checks' one-line errors (machinery.engine_checks) as ``RolloutError``."""
+    """Raise the input checks' one-line errors (machinery.vllm_backend) as ``RolloutError``."""
     try:
         yield
     except CheckError as error:
@@ -225,13 +219,12 @@ class VLLMEngine:
         trainer_bytes: int | None = None,
         **llm_kwargs,
     ):
-        engine_checks.quiet_vllm()  # its warnings only (VLLM_LOGGING_LEVEL=INFO for the rest)
+        vllm_backend.quiet_vllm()  # its warnings only (VLLM_LOGGING_LEVEL=INFO for the rest)
         self.model_path = path = os.fspath(model_path)
         with rollout_errors():
-            config = engine_checks.load_model_config(path)
+            config = vllm_backend.load_model_config(path)
         self.on_cuda = on_cuda = torch.cuda.is_available()
-        self.max_model_len = engine_checks.context_length(max_model_len, config)
-        self.vocab_size = config.get_text_config().vocab_size
+        self.max_model_len = vllm_backend.context_length(max_model_len, config)
         # Sleep mode needs CUDA (vLLM's CPU worker ignores it); on CPU sleep/wake_up are no-ops.
         self.sleep_mode = on_cuda and (enable_sleep_mode is None or bool(enable_sleep_mode))
         self._asleep: set[str] = set()
@@ -260,12 +253,12 @@ class VLLMEngine:
             kwargs.update(gpu_memory_utilization=fraction, enable_sleep_mode=self.sleep_mode)
         else:  # vLLM's CPU backend needs arguments and fixes of its own (docs/vllm-cpu.md)
             with rollout_errors():  # a head size without kernels, or too little RAM
-                cpu = vllm_cpu.engine_kwargs(
+                cpu = vllm_backend.cpu_engine_kwargs(
                     config, gpu_memory_utilization, self.max_model_len, dtype, llm_kwargs
                 )
             kwargs.update(cpu)
-            starting = vllm_cpu.keep_torch_threads()
-        engine_checks.force_in_process_engine()  # the weight push is a function call
+            starting = vllm_backend.keep_torch_threads()
+        vllm_backend.force_in_process_engine()  # the weight push is a function call
         self.llm = self._start({**kwargs, **llm_kwargs}, starting)
         # transformers' tokenizer of the same files (vLLM's get_tokenizer() is a pool wrapper).
         from transformers import AutoTokenizer
@@ -273,20 +266,14 @@ class VLLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
 
     def _start(self, kwargs: dict, starting):
-        """``vllm.LLM(**kwargs)`` inside ``starting``, its known failures as one-line errors."""
+        """``vllm.LLM(**kwargs)`` inside ``starting`` (vLLM names its own start-up failures)."""
         try:
             import vllm
         except ImportError as error:
             message = "vllm is not installed: run `make install`, or use backend='hf'"
             raise RolloutError(message) from error
-        try:
-            with starting:
-                return vllm.LLM(**kwargs)
-        except Exception as error:
-            message = engine_error_message(error, self.model_path)
-            if message is None:
-                raise
-            raise RolloutError(message) from error
+        with starting:
+            return vllm.LLM(**kwargs)
 
     def sampling_params(self, sampling: SamplingConfig, prompts: list[list[int]]) -> list:
         """One vllm.SamplingParams per prompt: its own seed, and max_tokens within the context."""
@@ -317,7 +304,7 @@ class VLLMEngine:
     ) -> list[list[Completion]]:
         """[num_prompts][n] completions of the given token-id prompts, all in one vLLM call."""
         with rollout_errors():
-            prompts = check_prompts(prompts, self.max_model_len, self.vocab_size)
+            check_prompts(prompts, self.max_model_len)
         if self._weights_discarded:
             raise RolloutError(
                 "the engine's weights were discarded by sleep(level=2): call sync_weights(model) "
@@ -361,7 +348,7 @@ class VLLMEngine:
             except (KeyError, AttributeError, ValueError, RuntimeError) as error:
                 raise RolloutError(push_error_message(error, self.model_path)) from error
         if not self.on_cuda:
-            vllm_cpu.after_weight_push(self.llm)
+            self.llm.collective_rpc(vllm_backend.repack_cpu_embedding_gemms)
         self.llm.reset_prefix_cache()
         self._weights_discarded = False
 

@@ -204,13 +204,16 @@ def start_run(config: Config) -> tuple[str, float | None]:
     program first."""
     config.model = hub.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
     if config.extras["memory"].plan_memory:  # the forecast, then the end
-        memory_plan.print_plan(config, with_reference=needs_reference(config))
+        from extras import memory_report
+
+        memory_report.print_plan(config, with_reference=needs_reference(config))
         raise SystemExit(0)
     model = os.path.basename(config.model.rstrip("/"))
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
     flag_checks.check_run_dir(run_dir, config)
-    # On CUDA a run that cannot fit ends here; one that fits gets its forecast peak
-    forecast_gb = memory_plan.before_loading(config, with_reference=needs_reference(config))
+    # On CUDA a run that cannot fit ends here; one that fits gets its forecast peak (no plan on CPU)
+    on_cuda = torch.cuda.is_available()
+    forecast_gb = memory_plan.before_loading(config, needs_reference(config)) if on_cuda else None
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     return run_dir, forecast_gb

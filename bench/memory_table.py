@@ -4,7 +4,7 @@ has the same shape) and sage.py's defaults (8 x 8 sequences, prompts of up to 51
 rank 8, gradient checkpointing).
 
 The update is simulated once per length and micro-batch (``memory_sim.simulate_update``, up
-to a minute each at the 7B shape on a laptop CPU); each card's verdict is ``memory_plan.plan``'s
+to a minute each at the 7B shape on a laptop CPU); each card's verdict is ``memory_report.plan``'s
 on that simulation: a micro-batch fits when the update's peak (the engine asleep) and the
 trainer's resident bytes beside the awake engine both fit the card's usable memory.
 
@@ -31,20 +31,19 @@ from transformers import Qwen2Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import sage  # noqa: E402
-from extras import memory_sim  # noqa: E402
+from extras import memory_report, memory_sim  # noqa: E402
 from machinery import memory_plan  # noqa: E402
 
 
 def card_row(config, card_gb: float, updates: dict) -> dict:
     """One card's verdict at one length: the largest simulated micro-batch whose plan fits
-    (``memory_plan.plan`` on the update simulated already)."""
+    (``memory_report.plan`` on the update simulated already)."""
     for size in sorted(updates, reverse=True):
         trial = dataclasses.replace(config, micro_batch_size=size)
-        result = memory_plan.plan(
+        result = memory_report.plan(
             trial,
             card_bytes=int(card_gb * 1e9),
             with_reference=sage.needs_reference(trial),
-            search=False,
             update=updates[size],
         )
         if result["fits"]:
@@ -111,7 +110,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--lengths", type=positive_list(int), default="2048,8192", help="--max-seq-len values")
-    cards_gb = ",".join(map(str, memory_plan.CARDS_GB))
+    cards_gb = ",".join(map(str, memory_report.CARDS_GB))
     add("--cards", type=positive_list(float), default=cards_gb, help="cards, in GB")
     add("--micro-batches", type=positive_list(int), default="1,2,4,8,16,32")
     args = parser.parse_args(argv)

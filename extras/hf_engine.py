@@ -24,12 +24,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from machinery.engine_checks import (
-    check_prompts,
-    context_length,
-    engine_error_message,
-    load_model_config,
-)
+from machinery.vllm_backend import check_prompts, context_length, load_model_config
 from rollout import (
     Completion,
     RolloutError,
@@ -113,17 +108,10 @@ class HFEngine:
         if model is None:
             torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            try:
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
-            except Exception as error:
-                message = engine_error_message(error, path)
-                if message is None:
-                    raise
-                raise RolloutError(message) from error
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
             model.eval()
         self.model = model
         self.max_model_len = context_length(max_model_len, config)
-        self.vocab_size = config.get_text_config().vocab_size
         self.eos_token_ids = eos_token_ids(model, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad_token_id = pad if pad is not None else self.eos_token_ids[0]
@@ -166,7 +154,7 @@ class HFEngine:
     ) -> list[list[Completion]]:
         """[num_prompts][n] completions; prompts are left-padded into one batch."""
         with rollout_errors():
-            prompts = check_prompts(prompts, self.max_model_len, self.vocab_size)
+            check_prompts(prompts, self.max_model_len)
         budgets = [min(sampling.max_tokens, self.max_model_len - len(prompt)) for prompt in prompts]
         width = max(len(prompt) for prompt in prompts)
         device = next(self.model.parameters()).device

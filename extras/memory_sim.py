@@ -1,18 +1,17 @@
 """The meta-device simulation of one update step: the check of the memory plan's formula.
 
 ``memory_plan.estimate_update_peak`` counts the update's peak by arithmetic, and the run's
-refusal reads it; ``sage.py --plan-memory`` (``print_plan``), tests/test_memory_plan.py and
-bench/memory_table.py simulate the step here, with sage.py's own functions. The model is built
-on PyTorch's meta device (shapes and dtypes, no values), wrapped as sage.py wraps it (LoRA or
-every weight trained, gradient checkpointing), and one step of ``sage.held_fixed_logps`` and
-``sage.update_policy`` runs on a batch of the step's shape with every prompt and completion at
-full length (the worst case). A dispatch mode adds each new storage an op returns and a
-finalizer removes it when the storage is freed, so the running total follows what CUDA's
-``max_memory_allocated`` counts. Attention is charged as
-CUDA's fused kernel holds it (output and log-sum-exp, never the [B, H, L, L] scores) and the
-log-prob pass takes CUDA's chunk size. Meta tensors hold no values, so a value the step reads
-answers as a healthy step would: a number reads 1, a check passes, and a boolean mask keeps
-every element.
+refusal and ``sage.py --plan-memory`` read it; ``python -m extras.memory_sim`` (``print_plan``),
+tests/test_memory_plan.py and bench/memory_table.py simulate the step here, with sage.py's own
+functions. The model is built on PyTorch's meta device (shapes and dtypes, no values), wrapped
+as sage.py wraps it (LoRA or every weight trained, gradient checkpointing), and one step of
+``sage.held_fixed_logps`` and ``sage.update_policy`` runs on a batch of the step's shape with
+every prompt and completion at full length (the worst case). A dispatch mode adds each new
+storage an op returns and a finalizer removes it when the storage is freed, so the running total
+follows what CUDA's ``max_memory_allocated`` counts. Attention is charged as CUDA's fused kernel
+holds it (output and log-sum-exp, never the [B, H, L, L] scores) and the log-prob pass takes
+CUDA's chunk size. Meta tensors hold no values, so a value the step reads answers as a healthy
+step would: a number reads 1, a check passes, and a boolean mask keeps every element.
 
 The step simulated is the steady state: AdamW's moments exist (a step after the first). Its
 first two micro-batches run (the later ones repeat the second's allocations; the few MB of
@@ -30,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import sage
+from extras import memory_report
 from machinery import cli, memory_plan, models
 
 
@@ -293,13 +293,7 @@ def print_plan(config) -> None:
     model_config = memory_plan.read_model_config(config.model)
     dtype = memory_plan.trainer_dtype(config, "cuda")
     update = simulate_update(model_config, config, dtype)
-    result = memory_plan.plan(
-        config,
-        memory_plan.card_of(config),
-        with_reference=sage.needs_reference(config),
-        update=update,
-    )
-    memory_plan.print_report(result, config)
+    memory_report.print_plan(config, sage.needs_reference(config), update=update)
 
 
 if __name__ == "__main__":  # python -m extras.memory_sim --model ... (sage.py's flags)

@@ -17,7 +17,7 @@ import urllib.request
 
 from machinery.cli import UsageError
 from machinery.data import first_line
-from machinery.engine_checks import looks_like_hub_id
+from machinery.vllm_backend import looks_like_hub_id
 
 # Short names -> hub names: the paper's models (docs/gpu.md: Qwen2.5-Math-7B, the base of Table
 # 1, and DeepSeek-R1-Distill-Qwen-7B, its R1-distill rows), their 1.5B siblings, and Llama 3.1 8B.

@@ -1,10 +1,12 @@
-"""The GPU memory of a run, forecast before anything loads (``sage.py --plan-memory``).
+"""The GPU memory of a run on CUDA, forecast before anything loads: its refusal, and the engine's
+share of the GPU.
 
 Only the model's config.json is read. The trainer's update is counted in closed form
-(``estimate_update_peak``, a few dozen lines of arithmetic): on CUDA the run's refusal before the
-model loads (``before_loading``) and --plan-memory read that, at once. ``python -m
-extras.memory_sim`` with a run's flags simulates the update with sage.py's own step instead and
-prints both, the formula's check (within 5% at the paper's shapes, tests/test_memory_plan.py).
+(``estimate_update_peak``, a few dozen lines of arithmetic); ``before_loading`` refuses a run
+that cannot fit with one line naming the flag to change. ``sage.py --plan-memory`` prints the
+same forecast for people (extras/memory_report.py), and ``python -m extras.memory_sim``
+simulates the update with sage.py's own step instead, the formula's check (within 5% at the
+paper's shapes, tests/test_memory_plan.py).
 
 Beside the update:
 
@@ -27,16 +29,13 @@ is N x 10^9 bytes (an "80 GB" H100 holds 85 x 10^9: the verdict errs on the safe
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import math
 
 import torch
 
 from machinery import fast_logprobs, hub
-from machinery.engine_checks import CheckError
+from machinery.vllm_backend import CheckError
 
-CARDS_GB = (24, 40, 48, 80, 141)
 # The paper's model, Qwen2.5-Math-7B (DeepSeek-R1-Distill-Qwen-7B has the same shape): the
 # Qwen2Config arguments of its architecture, for building it on the meta device or at random.
 QWEN25_MATH_7B = dict(
@@ -47,8 +46,6 @@ QWEN25_MATH_7B = dict(
     intermediate_size=18944,
     vocab_size=152064,
 )
-DEFAULT_CARD_GB = 80
-UNCOUNTED = "allocator rounding, fragmentation and CUDA workspaces are not counted"
 
 
 @dataclasses.dataclass
@@ -476,144 +473,84 @@ def probe_activations(model_config, config, dtype: torch.dtype) -> dict:
     return {"layer": layer, "logits": logits, "peak": max(layer, logits)}
 
 
-def largest_fitting_micro_batch(
-    model_config,
-    config,
-    dtype,
-    usable: int,
-    with_reference: bool,
-    probe_beside: int | None = None,
-) -> int:
-    """The largest power of two (up to the step's sequences) whose update peak (the formula's)
-    fits in ``usable`` bytes, and whose support probe fits beside ``probe_beside``
-    bytes (the trainer's resident bytes and the awake engine's share; None: no probe), by
-    bisection (both peaks grow with the micro-batch); 0 if none does."""
-    sequences = config.prompts_per_step * config.rollouts
-    sizes = [2**i for i in range(sequences.bit_length()) if 2**i <= sequences]
-    low, high, best = 0, len(sizes) - 1, 0
-    while low <= high:
-        middle = (low + high) // 2
-        trial = dataclasses.replace(config, micro_batch_size=sizes[middle])
-        probe_fits = probe_beside is None or (
-            probe_beside + probe_activations(model_config, trial, dtype)["peak"] <= usable
-        )
-        update = estimate_update_peak(model_config, trial, dtype, with_reference)
-        if probe_fits and update["peak"] <= usable:
-            best, low = sizes[middle], middle + 1
-        else:
-            high = middle - 1
-    return best
-
-
-def plan(
-    config, card_bytes: int, with_reference: bool, search: bool = True, update: dict | None = None
-) -> dict:
-    """The forecast of a run on a card of ``card_bytes``: the update's peak, the engine's share,
-    the run's peak, the verdict, and (``search``) the largest micro-batch that fits. The update's
-    bytes are the formula's, or ``update`` (extras/memory_sim.py's simulation of this config,
-    whose check the formula is); the plan reports the formula's peak either way."""
+def forecast(config, card_bytes: int, with_reference: bool, update: dict | None = None) -> dict:
+    """The run's bytes on a card of ``card_bytes``: the update's (``update``, extras/memory_sim.py's
+    simulation of this config, else the formula's), the engine's beside it (``engine_share``,
+    with ``engine_problem``, the reason it cannot have one, or ""), generate's with --backend hf,
+    the support probe's with --eval-solution-key, the run's peak and whether it ``fits``, and
+    ``trainer_peak``: the trainer's own share, what a run's logged peaks measure
+    (runs.PhaseTimer subtracts what the engine keeps counted)."""
     model_config = read_model_config(config.model)
     dtype = trainer_dtype(config, "cuda")
     formula = estimate_update_peak(model_config, config, dtype, with_reference)
-    simulated, update = update is not None, update or formula
-    engine, engine_reason = engine_share(model_config, config, card_bytes, update["resident"])
+    update = update or formula
+    resident = update["resident"]
+    engine, engine_problem = engine_share(model_config, config, card_bytes, resident)
     usable = int((1 - GPU_HEADROOM) * card_bytes)
     sampling = hf_sampling(model_config, config, dtype)
-    hf_peak = max(update["peak"], update["resident"] + sampling["peak"])  # --backend hf's
-    awake = update["resident"] + (engine["share"] or 0.0) * card_bytes
+    hf_peak = max(update["peak"], resident + sampling["peak"])  # --backend hf's
+    awake = resident + (engine["share"] or 0.0) * card_bytes
     run_peak = hf_peak if config.backend == "hf" else max(update["peak"], awake)
+    trainer_peak = hf_peak if config.backend == "hf" else resident + engine["working"]
+    trainer_peak = max(trainer_peak, update["peak"])
     # The support probe runs beside the awake engine (with --backend hf, beside no engine).
     probe = probe_activations(model_config, config, dtype)
-    probe_peak = awake + probe["peak"]
-    # The trainer's own share, what a run's logged peaks measure (runs.PhaseTimer subtracts what
-    # the engine keeps counted): the update, the engine's working memory beside the resident
-    # trainer while it samples, the probe's activations; with --backend hf, its sampling.
-    trainer_peak = hf_peak if config.backend == "hf" else update["resident"] + engine["working"]
-    trainer_peak = max(trainer_peak, update["peak"])
     if probe_runs(config):
-        run_peak = max(run_peak, probe_peak)
-        trainer_peak = max(trainer_peak, update["resident"] + probe["peak"])
-    fits = not engine_reason and run_peak <= usable
-    largest = None
-    if search:
-        beside = int(awake) if probe_runs(config) else None
-        largest = largest_fitting_micro_batch(
-            model_config, config, dtype, usable, with_reference, probe_beside=beside
-        )
-    sequences = config.prompts_per_step * config.rollouts
-    gigabytes = functools.partial(round, ndigits=2)
-    return {
-        "model": config.model,
-        "gpu_gb": gigabytes(card_bytes / 1e9),
-        "fits": fits,
-        "update_peak_gb": gigabytes(update["peak"] / 1e9),
-        "update_peak_op": update["peak_op"],
-        "update_peak_formula_gb": gigabytes(formula["peak"] / 1e9),
-        "update_simulated": simulated,
-        "trainer_weights_gb": gigabytes(update["weights"] / 1e9),
-        "trainer_resident_gb": gigabytes(update["resident"] / 1e9),
-        "engine_weights_gb": gigabytes(engine["weights"] / 1e9),
-        "engine_kv_cache_gb": gigabytes(engine["kv_cache"] / 1e9),
-        "engine_needs_gb": gigabytes(
-            sum(engine[k] for k in ("weights", "working", "kv_cache")) / 1e9
-        ),
-        "engine_share": engine["share"] and round(engine["share"], 2),
-        "engine_sequences_at_once": engine["sequences"],
-        "rollout_waves": engine["waves"],
-        "hf_sampling_gb": gigabytes(sampling["peak"] / 1e9),
-        "hf_kv_cache_gb": gigabytes(sampling["kv_cache"] / 1e9),
-        "hf_backend_fits": hf_peak <= usable,
-        "probe_activations_gb": gigabytes(probe["peak"] / 1e9),
-        "probe_peak_gb": gigabytes(probe_peak / 1e9),
-        "probe_counted": probe_runs(config),
-        "run_peak_gb": gigabytes(run_peak / 1e9),
-        "trainer_peak_gb": gigabytes(trainer_peak / 1e9),
-        "usable_gb": gigabytes(usable / 1e9),
-        "largest_micro_batch": largest,
-        "engine_problem": engine_reason or None,
-        "dtype": str(dtype).removeprefix("torch."),
-        "micro_batch_size": config.micro_batch_size,
-        "max_seq_len": config.max_seq_len,
-        "max_prompt_len": config.max_prompt_len,
-        "sequences_per_step": sequences,
-        "lora_rank": None if config.full_finetune else config.lora_rank,
-        "gradient_checkpointing": config.gradient_checkpointing,
-        "not_counted": UNCOUNTED,
-    }
+        run_peak = max(run_peak, awake + probe["peak"])
+        trainer_peak = max(trainer_peak, resident + probe["peak"])
+    return dict(
+        model_config=model_config,
+        dtype=dtype,
+        formula=formula,
+        update=update,
+        engine=engine,
+        engine_problem=engine_problem,
+        sampling=sampling,
+        hf_peak=hf_peak,
+        probe=probe,
+        awake=awake,
+        run_peak=run_peak,
+        trainer_peak=trainer_peak,
+        usable=usable,
+        fits=not engine_problem and run_peak <= usable,
+    )
 
 
-def plan_device() -> str:
-    """Where the run will train: "cuda" or "cpu" (the plan and its refusal act on CUDA only)."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def largest_micro_batch(peaks: dict, config, with_reference: bool) -> int:
+    """The largest power of two (up to the step's sequences) at which the formula's update peak
+    and, with --eval-solution-key, the support probe beside the awake engine fit the card
+    (``peaks``: ``forecast``'s); 0 if none does."""
+    size = 2 ** ((config.prompts_per_step * config.rollouts).bit_length() - 1)
+    model_config, dtype = peaks["model_config"], peaks["dtype"]
+    while size:
+        trial = dataclasses.replace(config, micro_batch_size=size)
+        need = estimate_update_peak(model_config, trial, dtype, with_reference)["peak"]
+        if probe_runs(config):
+            need = max(need, peaks["awake"] + probe_activations(model_config, trial, dtype)["peak"])
+        if need <= peaks["usable"]:
+            return size
+        size //= 2
+    return 0
 
 
-def card_bytes_of(gpu_gb: float) -> int:
-    """--gpu-gb in bytes; 0: the visible GPU's memory, else an 80 GB card."""
-    if gpu_gb:
-        return int(gpu_gb * 1e9)
-    if plan_device() == "cuda":
-        return torch.cuda.get_device_properties(0).total_memory
-    return int(DEFAULT_CARD_GB * 1e9)
-
-
-def fix_for(result: dict, config) -> str:
-    """The flag to change when a run does not fit. Where the engine is what does not fit,
-    --backend hf is named too if its plan (no engine; generate's sampling beside the trainer)
-    fits the card."""
-    if result["engine_problem"]:
-        fix = result["engine_problem"]
+def fix_for(peaks: dict, config, with_reference: bool) -> str:
+    """The flag to change when a run does not fit (``peaks``: ``forecast``'s). Where the engine
+    is what does not fit, --backend hf is named too if its plan (no engine; generate's sampling
+    beside the trainer) fits the card."""
+    if peaks["engine_problem"]:
+        fix = peaks["engine_problem"]
         if config.full_finetune:  # float32 weights, gradients and moments crowd the engine out
             fix += ", or drop --full-finetune (LoRA)"
-        if result["hf_backend_fits"]:
+        if peaks["hf_peak"] <= peaks["usable"]:
+            kv_cache = peaks["sampling"]["kv_cache"] / 1e9
             fix += (
-                f", or pass --backend hf (slower sampling; its KV cache, "
-                f"{result['hf_kv_cache_gb']:.1f} GB, fits)"
+                f", or pass --backend hf (slower sampling; its KV cache, {kv_cache:.1f} GB, fits)"
             )
         return fix
-    largest = result["largest_micro_batch"]
+    largest = largest_micro_batch(peaks, config, with_reference)
     if largest:
         return f"pass --micro-batch-size {largest}"
-    if result["probe_counted"] and result["probe_peak_gb"] > result["usable_gb"]:
+    if probe_runs(config) and peaks["awake"] + peaks["probe"]["peak"] > peaks["usable"]:
         return (
             "drop --eval-solution-key (the support probe's logits do not fit beside the awake "
             "engine), or lower --max-seq-len"
@@ -625,104 +562,36 @@ def fix_for(result: dict, config) -> str:
     return "lower --max-seq-len"
 
 
-def verdict(result: dict, config) -> str:
-    peak, usable, card = result["run_peak_gb"], result["usable_gb"], result["gpu_gb"]
-    if result["fits"]:
-        return (
-            f"fits a {card:g} GB card: peak {peak:.1f} GB of the {usable:.1f} GB usable; "
-            f"the largest micro-batch that fits is {result['largest_micro_batch']}"
-        )
+def does_not_fit(peaks: dict, config, card_bytes: int, with_reference: bool) -> str:
+    """The verdict on a run that does not fit, naming the flag to change."""
+    card_gb = round(card_bytes / 1e9, 2)
     return (
-        f"does not fit a {card:g} GB card (peak {peak:.1f} GB, {usable:.1f} GB usable): "
-        f"{fix_for(result, config)}"
+        f"does not fit a {card_gb:g} GB card (peak {peaks['run_peak'] / 1e9:.1f} GB, "
+        f"{peaks['usable'] / 1e9:.1f} GB usable): {fix_for(peaks, config, with_reference)}"
     )
-
-
-def engine_line(result: dict, config) -> str:
-    """The engine's row of the report: its bytes, the sequences it holds at once, its share."""
-    if config.backend != "vllm":
-        return "none: --backend hf samples with the trainer's own model"
-    weights = f"weights {result['engine_weights_gb']:.2f} GB"
-    if result["engine_share"] is None:
-        return f"{result['engine_needs_gb']:7.2f} GB ({weights}): no share fits (see the verdict)"
-    waves = result["rollout_waves"]
-    held = f"{result['engine_sequences_at_once']} sequences at once"
-    held += f", the step in {waves} waves" if waves > 1 else " (the whole step)"
-    return (
-        f"{result['engine_needs_gb']:7.2f} GB ({weights}, KV cache "
-        f"{result['engine_kv_cache_gb']:.2f} GB for {held}), given "
-        f"{result['engine_share']:.2f} of the card"
-    )
-
-
-def sampling_line(result: dict) -> str:
-    """--backend hf's row of the report: what generate holds beside the trainer's weights."""
-    return (
-        f"  sampling (generate)   {result['hf_sampling_gb']:7.2f} GB (KV cache "
-        f"{result['hf_kv_cache_gb']:.2f} GB for {result['sequences_per_step']} rows of "
-        f"{result['max_seq_len']} tokens at once, beside the trainer's resident bytes)"
-    )
-
-
-def probe_line(result: dict, config) -> str:
-    """--eval-solution-key's row of the report: the support probe beside the awake engine."""
-    beside = "the trainer's resident bytes" + (
-        " and the awake engine" if config.backend == "vllm" else ""
-    )
-    return (
-        f"  support probe         {result['probe_peak_gb']:7.2f} GB (its logits and their float32 "
-        f"copies, {result['probe_activations_gb']:.2f} GB for {result['micro_batch_size']} "
-        f"problems at once, beside {beside})"
-    )
-
-
-def print_report(result: dict, config) -> None:
-    """The forecast for people, then one JSON line."""
-    simulated = result["update_simulated"]
-    counted = "simulated on the meta device" if simulated else "by the formula"
-    beside = f"; the formula: {result['update_peak_formula_gb']:.2f} GB" if simulated else ""
-    lines = [
-        f"memory plan of {result['model']} ({result['dtype']}, micro-batch "
-        f"{result['micro_batch_size']}, {result['sequences_per_step']} sequences of "
-        f"{result['max_seq_len']} tokens, the update {counted}; {UNCOUNTED}):",
-        f"  trainer, resident     {result['trainer_resident_gb']:7.2f} GB (weights "
-        f"{result['trainer_weights_gb']:.2f} GB, adapters and AdamW states)",
-        f"  trainer, update peak  {result['update_peak_gb']:7.2f} GB (the engine asleep{beside})",
-        f"  engine                {engine_line(result, config)}",
-        *([sampling_line(result)] if config.backend == "hf" else []),
-        *([probe_line(result, config)] if result["probe_counted"] else []),
-        f"  run peak              {result['run_peak_gb']:7.2f} GB",
-        f"verdict: {verdict(result, config)}",
-    ]
-    print("\n".join(lines))
-    print(json.dumps(result))
 
 
 def card_of(config) -> int:
-    """The card a run is planned for, in bytes (--gpu-gb, checked: 0 is this GPU's)."""
+    """The card a run is planned for, in bytes: --gpu-gb (checked); 0: this GPU's memory, or on
+    the CPU an 80 GB card's."""
     gpu_gb = config.extras["memory"].gpu_gb
     if gpu_gb < 0:
         raise SystemExit(f"error: --gpu-gb {gpu_gb}: pass the card's memory in GB, > 0")
-    return card_bytes_of(gpu_gb)
+    if gpu_gb:
+        return int(gpu_gb * 1e9)
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return 80 * 10**9
 
 
-def print_plan(config, with_reference: bool) -> None:
-    """--plan-memory: the forecast with the formula's update, at once (``python -m
-    extras.memory_sim`` with the same flags simulates the update instead, the formula's check)."""
-    print_report(plan(config, card_of(config), with_reference), config)
-
-
-def before_loading(config, with_reference: bool) -> float | None:
+def before_loading(config, with_reference: bool) -> float:
     """On CUDA, before the model loads: a run that cannot fit is refused with one line naming the
     flag to change; a run that fits says nothing and gets the trainer's forecast peak in GB (the
-    run's logger compares it with the peaks measured, the engine's counted bytes left out; None
-    on the CPU). The update's peak is the formula's (``estimate_update_peak``): no simulation
-    runs on the run's path."""
-    if plan_device() != "cuda":
-        return None
-    result = plan(config, card_of(config), with_reference, search=False)
-    if result["fits"]:
-        return result["trainer_peak_gb"]
-    if not result["engine_problem"]:  # would a smaller micro-batch fit?
-        result = plan(config, card_of(config), with_reference)
-    raise SystemExit(f"error: the run {verdict(result, config)}")
+    run's logger compares it with the peaks measured, the engine's counted bytes left out). The
+    update's peak is the formula's (``estimate_update_peak``): no simulation runs on the run's
+    path."""
+    card_bytes = card_of(config)
+    peaks = forecast(config, card_bytes, with_reference)
+    if peaks["fits"]:
+        return round(peaks["trainer_peak"] / 1e9, 2)
+    raise SystemExit(f"error: the run {does_not_fit(peaks, config, card_bytes, with_reference)}")

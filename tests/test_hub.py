@@ -10,6 +10,7 @@ import time
 
 import huggingface_hub.constants
 import pytest
+import torch
 
 import evaluate
 import sage
@@ -67,8 +68,9 @@ def test_sage_evaluate_and_the_plan_load_the_short_name_as_org_name(
     monkeypatch.setattr(memory_plan, "read_model_config", read_model_config)
     monkeypatch.setattr(memory_plan, "card_of", lambda config: 80 * 10**9)  # on CUDA: an 80 GB card
     for device in ("cpu", "cuda"):  # the plan runs on CUDA only: both halves, forced
-        monkeypatch.setattr(memory_plan, "plan_device", lambda device=device: device)
-        with pytest.raises(Loaded) as loaded:
+        with monkeypatch.context() as forced, pytest.raises(Loaded) as loaded:
+            forced.setattr(torch.cuda, "is_available", lambda device=device: device == "cuda")
+            forced.setenv("CUDA_VISIBLE_DEVICES", "")  # (no GPU on purpose: flag_checks agrees)
             sage.main(["--model", "Qwen2.5-Math-7B", "--out", str(tmp_path / "runs")])
         assert str(loaded.value) == "Qwen/Qwen2.5-Math-7B"
         said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[model]")]

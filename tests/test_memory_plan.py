@@ -1,7 +1,7 @@
 """The memory plan (machinery/memory_plan.py): its simulated update agrees with a real CPU step
-counted the same way, --plan-memory prints a verdict and a JSON line from config.json alone, a
-CUDA run that cannot fit is refused before the model loads (the CPU torch beside an NVIDIA GPU:
-tests/test_flags.py)."""
+counted the same way, --plan-memory prints a verdict and a JSON line from config.json alone
+(extras/memory_report.py), a CUDA run that cannot fit is refused before the model loads (the CPU
+torch beside an NVIDIA GPU: tests/test_flags.py)."""
 
 import copy
 import dataclasses
@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 import evaluate
 import sage
-from extras import memory_sim
-from machinery import engine_checks, memory_plan
+from extras import memory_report, memory_sim
+from machinery import memory_plan, vllm_backend
 
 TINY_SHAPE = dict(
     hidden_size=64,
@@ -135,8 +135,8 @@ def test_the_plan_of_the_7b_step_is_the_simulated_20_1_gb_of_docs_gpu(tmp_path):
     Qwen2Config(**SEVEN_B_SHAPE).save_pretrained(tmp_path)
     config = sage.Config(model=str(tmp_path), max_seq_len=1792, max_prompt_len=256)
     config.extras["memory"] = memory_plan.PlanConfig()
-    plan = memory_plan.plan(
-        config, card_bytes=48 * 10**9, with_reference=sage.needs_reference(config), search=False
+    plan = memory_report.plan(
+        config, card_bytes=48 * 10**9, with_reference=sage.needs_reference(config)
     )
     assert plan["update_peak_gb"] == pytest.approx(20.1, rel=0.05)
     assert plan["update_peak_formula_gb"] == pytest.approx(20.1, rel=0.05)
@@ -158,7 +158,7 @@ def test_a_cuda_run_that_cannot_fit_is_refused_before_the_model_loads(
         estimate = memory_plan.estimate_update_peak(model_config, trial, dtype, True)
         peaks[micro_batch] = estimate["peak"]
     card_gb = (peaks[1] + peaks[4]) / 2 / 0.95 / 1e9
-    monkeypatch.setattr(memory_plan, "plan_device", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
 
     def simulate_update(*args, **kwargs):
         raise AssertionError("the run's path simulated the update")
@@ -188,7 +188,6 @@ def test_a_cuda_run_that_cannot_fit_is_refused_before_the_model_loads(
 def test_the_engine_share_that_cannot_fit_names_its_flags(tiny_config_dir, monkeypatch):
     config = run_config(model=tiny_config_dir)
     config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=2)  # the engine alone needs > 2 GB
-    monkeypatch.setattr(memory_plan, "plan_device", lambda: "cuda")
     with pytest.raises(SystemExit, match="lower --max-seq-len or use a larger GPU, or pass "):
         memory_plan.before_loading(
             config, with_reference=sage.needs_reference(config)
@@ -222,11 +221,11 @@ def test_the_plan_of_the_hf_backend_counts_generates_kv_cache(tmp_path, capsys):
     assert plan["run_peak_gb"] == pytest.approx(max(plan["update_peak_gb"], resident + sampling))
     config = sage.Config(model=str(tmp_path), max_seq_len=8192)
     config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=24)
-    result = memory_plan.plan(
-        config, card_bytes=24 * 10**9, with_reference=sage.needs_reference(config), search=False
+    result = memory_report.plan(
+        config, card_bytes=24 * 10**9, with_reference=sage.needs_reference(config)
     )
     assert result["engine_problem"] and not result["hf_backend_fits"]
-    assert "--backend hf" not in memory_plan.fix_for(result, config)
+    assert "--backend hf" not in result["verdict"]
 
 
 def test_a_step_whose_kv_cache_does_not_fit_samples_in_waves(tmp_path):
@@ -244,7 +243,7 @@ def test_a_step_whose_kv_cache_does_not_fit_samples_in_waves(tmp_path):
     assert awake <= (1 - memory_plan.GPU_HEADROOM) * 48e9 < awake + per_sequence + 0.01 * 48e9
     assert engine["share"] * 48e9 >= engine["weights"] + engine["working"] + engine["kv_cache"]
     # One more sequence would not fit: the count is the largest.
-    with pytest.raises(engine_checks.CheckError, match="more than the GPU holds"):
+    with pytest.raises(vllm_backend.CheckError, match="more than the GPU holds"):
         memory_plan.cuda_memory_share(
             model_config,
             max_model_len=8192,
@@ -292,11 +291,11 @@ def test_a_requested_share_too_small_or_too_large_names_the_share_that_works():
     model_config = Qwen2Config(**SEVEN_B_SHAPE)
     sizing = dict(max_model_len=8192, step_sequences=64, total_bytes=48 * 10**9)
     for requested in (0.3, 0.37, 0.375):
-        with pytest.raises(engine_checks.CheckError, match=r"pass (\d\.\d\d) or more") as small:
+        with pytest.raises(vllm_backend.CheckError, match=r"pass (\d\.\d\d) or more") as small:
             memory_plan.engine_sequences(model_config, requested=requested, **sizing)
         suggested = float(small.value.args[0].split("pass ")[1].split(" ")[0])
         assert memory_plan.engine_sequences(model_config, requested=suggested, **sizing) >= 1
-    with pytest.raises(engine_checks.CheckError, match=r"pass at most (\d\.\d\d)") as large:
+    with pytest.raises(vllm_backend.CheckError, match=r"pass at most (\d\.\d\d)") as large:
         memory_plan.engine_sequences(model_config, requested=0.9, **sizing)
     most = float(large.value.args[0].split("at most ")[1].split(",")[0])
     fit = memory_plan.engine_sequences(model_config, requested=most, **sizing)
@@ -338,7 +337,7 @@ def test_on_cuda_the_trainers_engine_starts_with_the_sequences_that_fit(monkeypa
     seven_b = Qwen2Config(**{**SEVEN_B_SHAPE, "max_position_embeddings": 32768})
     trainer_bytes = 15_500_000_000
     card = type("Card", (), {"total_memory": 48 * 10**9})
-    monkeypatch.setattr(engine_checks, "load_model_config", lambda path: seven_b)
+    monkeypatch.setattr(vllm_backend, "load_model_config", lambda path: seven_b)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: trainer_bytes)
@@ -411,14 +410,14 @@ def test_with_eval_solution_key_the_run_peak_counts_the_probe_beside_the_awake_e
     config = run_config(model=tiny_config_dir)
     config.extras["memory"] = memory_plan.PlanConfig()
     card = 48 * 10**9
-    without = memory_plan.plan(
-        config, card_bytes=card, with_reference=sage.needs_reference(config), search=False
+    without = memory_report.plan(
+        config, card_bytes=card, with_reference=sage.needs_reference(config)
     )
     probed = probe_config(model=tiny_config_dir, micro_batch_size=4, max_seq_len=160)
     probed = dataclasses.replace(probed, max_prompt_len=32)
     probed.extras["memory"] = memory_plan.PlanConfig()
-    result = memory_plan.plan(
-        probed, card_bytes=card, with_reference=sage.needs_reference(probed), search=False
+    result = memory_report.plan(
+        probed, card_bytes=card, with_reference=sage.needs_reference(probed)
     )
     assert not without["probe_counted"] and result["probe_counted"]
     activations = 4 * 128 * 512 * (2 + 6 * 4 + 2)  # B x C x V x (bf16 logits + copies)
@@ -426,7 +425,7 @@ def test_with_eval_solution_key_the_run_peak_counts_the_probe_beside_the_awake_e
     awake = result["trainer_resident_gb"] + result["engine_share"] * 48
     assert result["probe_peak_gb"] == pytest.approx(awake + activations / 1e9, abs=0.02)
     assert result["run_peak_gb"] == max(without["run_peak_gb"], result["probe_peak_gb"])
-    memory_plan.print_report(result, probed)
+    memory_report.print_report(result, probed)
     assert "support probe" in capsys.readouterr().out
 
     seven_b = memory_plan.probe_activations(
@@ -446,9 +445,9 @@ def test_the_7b_probe_does_not_fit_beside_the_engine_on_48_gb_and_names_the_flag
     config = sage.Config(model=str(tmp_path), max_seq_len=1792, max_prompt_len=256)
     config.eval.eval_solution_key, config.eval.eval_every = "solution", 50
     config.extras["memory"] = memory_plan.PlanConfig()
-    result = memory_plan.plan(
+    result = memory_report.plan(
         config, card_bytes=48 * 10**9, with_reference=sage.needs_reference(config)
     )
     assert result["probe_peak_gb"] == pytest.approx(66.1, abs=0.5) and not result["fits"]
     assert result["run_peak_gb"] == result["probe_peak_gb"]
-    assert "drop --eval-solution-key" in memory_plan.verdict(result, config)
+    assert "drop --eval-solution-key" in result["verdict"]

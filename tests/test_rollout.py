@@ -25,13 +25,13 @@ import evaluate
 import loss
 import rollout
 from extras import hf_engine as hf_backend
-from machinery import engine_checks, vllm_cpu
+from machinery import vllm_backend
 
 MAX_MODEL_LEN = 256
 ON_CUDA = torch.cuda.is_available()
 
 
-@pytest.mark.parametrize("module", [rollout, engine_checks, hf_backend, vllm_cpu])
+@pytest.mark.parametrize("module", [rollout, vllm_backend, hf_backend])
 def test_doctests_pass(module):
     assert doctest.testmod(module).failed == 0
 
@@ -132,8 +132,10 @@ def test_out_of_memory_names_the_knob_to_lower(tiny_model_dir):
 def test_cpu_engine_arguments_size_the_kv_cache_for_the_batch(tiny_model_dir):
     """On CPU: 32-token blocks, no chunked prefill, and a KV cache of what max_num_seqs
     sequences of max_model_len tokens can use (the tiny model: 2 layers, 2 KV heads of size 64)."""
-    config = engine_checks.load_model_config(tiny_model_dir)
-    kwargs = vllm_cpu.engine_kwargs(config, None, MAX_MODEL_LEN, "float32", {"max_num_seqs": 4})
+    config = vllm_backend.load_model_config(tiny_model_dir)
+    kwargs = vllm_backend.cpu_engine_kwargs(
+        config, None, MAX_MODEL_LEN, "float32", {"max_num_seqs": 4}
+    )
     per_token = 2 * 2 * 2 * 64 * 4  # K and V, layers, KV heads, head size, float32 bytes
     assert kwargs == {
         "gpu_memory_utilization": 0.05,
@@ -478,7 +480,7 @@ def test_the_engine_always_runs_in_process(monkeypatch):
     warning."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     with pytest.warns(UserWarning, match="needs 0"):
-        engine_checks.force_in_process_engine()
+        vllm_backend.force_in_process_engine()
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 

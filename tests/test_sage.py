@@ -736,7 +736,6 @@ def test_on_cuda_the_cheap_checks_speak_before_the_memory_plan(
     from machinery import memory_plan
 
     card = type("Card", (), {"total_memory": 80 * 10**9})
-    monkeypatch.setattr(memory_plan, "plan_device", lambda: "cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
     (tmp_path / "model").mkdir()
