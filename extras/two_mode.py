@@ -143,6 +143,7 @@ def sft_examples(task: TwoModeTask, count: int, seed: int) -> list[dict]:
 # ---- 2. The exact prediction from an SFT start ------------------------------------------------
 
 
+MIN_P = 0.01  # the sampler's threshold, sage.py's --min-p
 OTHER, PAD = -1, -2  # the tree's stand-ins for "any token off the task" and what follows it
 
 
@@ -194,12 +195,15 @@ class TaskTree:
 @torch.no_grad()
 def node_distributions(model, prompt_ids: list[int], task_tree: TaskTree, batch_size: int = 512):
     """pi_ref at every node of the tree, teacher-forced at temperature 1 (no sampling): (theta
-    [P], the full-vocabulary entropy H of every node [N]). A task node's OTHER child gets the mass
-    off its task tokens; a PAD node's one child gets 1 (and H = 0)."""
+    [P], the full-vocabulary entropy H of every node [N], and off_task [N, 3]: of the tokens off
+    the task that min-p's threshold (MIN_P times the node's most likely token) cuts, their mass
+    and their sum of p log p, and how many off-task tokens it keeps). A task node's OTHER child
+    gets the mass off its task tokens; a PAD node's one child gets 1 (and H = 0)."""
     tree = task_tree.tree
     device = next(model.parameters()).device
     theta = torch.zeros(tree.num_params, dtype=torch.float64)  # PAD nodes: log 1
     entropies = torch.zeros(len(tree.nodes), dtype=torch.float64)
+    off_task = torch.zeros(len(tree.nodes), 3, dtype=torch.float64)
     by_length: dict[int, list[tuple]] = {}
     for node in task_tree.task_nodes:
         by_length.setdefault(len(node), []).append(node)
@@ -217,7 +221,14 @@ def node_distributions(model, prompt_ids: list[int], task_tree: TaskTree, batch_
                     [other[None], on_task]
                 )
                 entropies[i] = -(log_probs[row].exp() * log_probs[row]).sum()
-    return theta, entropies
+                off = torch.ones_like(log_probs[row], dtype=torch.bool)
+                off[torch.tensor(children[1:])] = False
+                kept = log_probs[row] >= math.log(MIN_P) + log_probs[row].max()
+                cut = log_probs[row][off & ~kept]
+                off_task[i] = torch.stack(
+                    [cut.exp().sum(), (cut.exp() * cut).sum(), (off & kept).sum().double()]
+                )
+    return theta, entropies, off_task
 
 
 # The arms: sage.py's flags, and how toy.backward predicts each one's fixed point. Every arm uses
@@ -261,24 +272,62 @@ UNGUIDED = {
 }
 
 
+def sampler_tail(
+    task_tree: TaskTree, ref_theta: torch.Tensor, off_task: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the sampler never draws at the trainer's fixed point, and its entropy: (tail [P],
+    inside [P]), both on OTHER's parameter at every task node (0 elsewhere). The tail holds
+    pi_ref's off-task tokens below min-p's threshold where they are (nothing samples them), and
+    each off-task token that min-p keeps at the threshold, MIN_P times the node's most likely
+    token: sampled, it is written with reward 0, so pushed down until min-p cuts it. Inside is
+    the entropy within the tail, so that the tree's entropy plus pi(OTHER) inside is the full
+    vocabulary's."""
+    tree = task_tree.tree
+    log_probs = tree.param_log_probs(ref_theta)
+    tail = torch.zeros(tree.num_params, dtype=torch.float64)
+    inside = torch.zeros(tree.num_params, dtype=torch.float64)
+    for node in task_tree.task_nodes:
+        i = tree.node_id[node]
+        other = tree.offsets[i]  # OTHER (-1) sorts first
+        cut_mass, cut_p_log_p, kept = off_task[i].tolist()
+        at_threshold = MIN_P * log_probs[other + 1 : other + len(tree.children[i])].exp().max()
+        mass = cut_mass + kept * at_threshold
+        p_log_p = cut_p_log_p + kept * at_threshold * at_threshold.log()
+        if mass > 0:
+            tail[other] = mass
+            inside[other] = mass.log() - p_log_p / mass  # H within: log T - sum (p log p) / T
+    return tail, inside
+
+
 def predict_arms(
     task_tree: TaskTree,
     ref_theta: torch.Tensor,
     ref_entropies: torch.Tensor,
     beta: float,
     arms: tuple[str, ...] = tuple(ARMS),
+    off_task: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """log pi(B) at each arm's fixed point, and at pi_ref ("start"), from pi_ref's tree logits
     [P] and its full-vocabulary entropies [N].
 
     q held at pi_ref's entropies (Eq. 11 on the entropies the trainer reads):
     ``backward.fixed_point`` with that q; q from the policy's own entropies:
-    ``backward.self_consistent_fixed_point`` (the tree's entropies, OTHER as one token).
+    ``backward.self_consistent_fixed_point`` (the tree's entropies, OTHER as one token). OTHER is
+    a reward-0 child there, which the fixed point all but empties.
+
+    With ``off_task`` [N, 3] (``node_distributions``'), each k1_return arm is also predicted
+    as the trainer reaches it ("<arm>/sampler"): min-p never samples the tail, so nothing pushes
+    it down; the fixed point holds it (``sampler_tail``) and solves Eq. 4 on the sampler's
+    support (``backward.sampler_fixed_point``), and the policy's q reads the full vocabulary's
+    entropy, the tail's included.
     """
     tree, rewards, branch = task_tree.tree, task_tree.rewards, guides.GuideConfig(name="branch")
     predicted = {"start": task_tree.log_pi_b(ref_theta)}
     node_q = guides.branch_guide(ref_entropies, tau=branch.tau, ratio=branch.ratio).double()
     ref_log_q = node_q.clamp(branch.q_min, branch.q_max).log()[tree.node_of_param]  # [P]
+    tail = inside = None
+    if off_task is not None:
+        tail, inside = sampler_tail(task_tree, ref_theta, off_task)
     for arm in arms:
         spec = ARMS[arm]
         if spec["guide"] == "policy":
@@ -293,6 +342,18 @@ def predict_arms(
                 tree, ref_theta, rewards, log_q, estimator=spec["estimator"], beta=beta
             )
         predicted[arm] = task_tree.log_pi_b(theta)
+        if tail is None or spec["estimator"] != "k1_return":
+            continue
+        if spec["guide"] == "policy":
+            theta, _ = backward.self_consistent_fixed_point(
+                *(tree, ref_theta, rewards, "k1_return", beta, branch),
+                **{"tail": tail, "min_p": MIN_P, "inside": inside},
+            )
+        else:
+            theta, _ = backward.sampler_fixed_point(
+                tree, ref_theta, rewards, log_q, beta=beta, tail=tail, min_p=MIN_P
+            )
+        predicted[f"{arm}/sampler"] = task_tree.log_pi_b(theta)
     return predicted
 
 
@@ -313,11 +374,18 @@ def predict_start(
     b_nodes = [tree.node_id[s] for s in task_tree.task_nodes if s[:1] == b_mode]
     per_phrasing, off_task, entropy_gap = [], 0.0, 0.0
     for phrasing in PHRASINGS:
-        theta, entropies = node_distributions(
+        theta, entropies, off_task = node_distributions(
             model, build_prompt_ids(tokenizer, phrasing), task_tree
         )
         per_phrasing.append(
-            predict_arms(task_tree, theta, ref_entropies=entropies, beta=beta, arms=arms)
+            predict_arms(
+                task_tree,
+                theta,
+                ref_entropies=entropies,
+                beta=beta,
+                arms=arms,
+                off_task=off_task,
+            )
         )
         # the probability that pi_ref writes a completion through OTHER
         off_task = max(off_task, tree.sequence_logps(theta)[through_other].exp().sum().item())

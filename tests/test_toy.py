@@ -5,11 +5,13 @@ forward-KL fixed point"); the CLI is run once as a subprocess, as a user would.
 """
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import toy
 from toy.__main__ import main
@@ -178,3 +180,123 @@ def test_the_orderings_survive_a_groups_advantage():
         for name in ("k3", "forward"):
             assert pi[name]["fixed"] < pi[name]["none"] - 1e-3
         assert table.DELTA < min(row["none"] for row in pi.values())
+
+
+def per_node_fixed_point(tree, ref_theta, rewards, log_q_param, estimator, beta):
+    """toy.backward.fixed_point as derived, one node at a time (the slow path it replaced)."""
+    from toy import backward
+
+    anchors = (tree.param_log_probs(ref_theta) + log_q_param).exp()
+    leaf_value = dict(zip(tree.completions, rewards.tolist()))
+    value, theta = {}, torch.empty(tree.num_params, dtype=torch.float64)
+    for i in sorted(range(len(tree.nodes)), key=lambda i: -len(tree.nodes[i])):
+        s, children, offset = tree.nodes[i], tree.children[i], tree.offsets[i]
+        node = slice(offset, offset + len(children))
+        q_values = torch.tensor(
+            [leaf_value.get(s + (a,), value.get(s + (a,))) for a in children], dtype=torch.float64
+        )
+        if estimator == "k1_return":
+            logits = anchors[node].log() + q_values / beta
+            probs, value[s] = torch.softmax(logits, 0), beta * torch.logsumexp(logits, 0).item()
+        else:
+            probs = backward.node_solution(anchors[node], q_values, beta, estimator)
+            value[s] = (probs * q_values).sum().item()
+        theta[node] = probs.log()
+    return theta
+
+
+@pytest.mark.parametrize("k, m", [(2, 4), (3, 5)])
+@pytest.mark.parametrize("estimator", ["k1_return", "k2", "k3"])
+def test_the_level_by_level_solver_equals_the_per_node_one(k, m, estimator):
+    from extras import demo, two_mode
+    from toy import backward
+
+    task_tree = two_mode.TaskTree(two_mode.TwoModeTask(k=k, m=m), demo.build_tiny_tokenizer())
+    tree, generator = task_tree.tree, torch.Generator().manual_seed(k)
+    ref = torch.randn(tree.num_params, generator=generator, dtype=torch.float64)
+    log_q = 0.3 * torch.rand(tree.num_params, generator=generator, dtype=torch.float64)
+    fast = backward.fixed_point(tree, ref, task_tree.rewards, log_q, estimator, beta=0.05)
+    slow = per_node_fixed_point(tree, ref, task_tree.rewards, log_q, estimator, beta=0.05)
+    assert (tree.param_log_probs(fast) - tree.param_log_probs(slow)).abs().max() < 1e-10
+
+
+def tail_tree(lumped: bool):
+    """A mode (A = 0, B = 1) then one digit and EOS (9); A's digit 0 is right, every B digit is;
+    at the root and after B, tokens the sampler never draws (7, 8: reward-0 leaves), lumped into
+    one (7) or not. Returns (tree, pi_ref's logits, rewards, tail [P], inside [P])."""
+    from toy.exact import TokenTree
+
+    tail_tokens = {(): {7: 0.01, 8: 0.02}, (1,): {7: 0.03, 8: 0.01}}
+    kept = {(): {0: 0.91, 1: 0.06}, (0,): {2: 0.97, 3: 0.03}, (1,): {a: 0.24 for a in (2, 3, 4, 5)}}
+    probs = {s: dict(kept[s]) for s in kept}
+    for s, tokens in tail_tokens.items():
+        probs[s].update({7: sum(tokens.values())} if lumped else tokens)
+    completions = [s + (a,) + ((9,) if a < 7 and s else ()) for s in probs for a in probs[s]]
+    completions = [y for y in completions if len(y) > 1 or y[0] >= 7]  # not the modes alone
+    tree = TokenTree(completions)
+    node_probs = {
+        s: [probs[s][a] if s in probs else 1.0 for a in c]
+        for s, c in zip(tree.nodes, tree.children)
+    }
+    theta = tree.theta_from_node_probs(node_probs)
+    rewards = torch.tensor(
+        [float(y[-1] == 9 and (y[0] == 1 or y[1] == 2)) for y in tree.completions],
+        dtype=torch.float64,
+    )
+    tail = torch.zeros(tree.num_params, dtype=torch.float64)
+    inside = torch.zeros(tree.num_params, dtype=torch.float64)
+    for s, tokens in tail_tokens.items():
+        i, mass = tree.node_id[s], sum(tokens.values())
+        for j, a in enumerate(tree.children[i]):
+            if a >= 7:
+                tail[tree.offsets[i] + j] = mass if lumped else tokens[a]
+                if lumped:
+                    inside[tree.offsets[i] + j] = -sum(
+                        p / mass * math.log(p / mass) for p in tokens.values()
+                    )
+    return tree, theta, rewards, tail, inside
+
+
+def test_the_sampler_fixed_point_is_stationary_for_the_trainer_and_its_tail_is_free():
+    """Brute force on a tree with explicit tail tokens: with rollouts drawn from the sampler (the
+    tail cut, the rest renormalized) and the loss's log-probs and the guide's entropies on the full
+    softmax, the k1_return gradient Cov(R, grad log pi(y)) vanishes on every logit, the tail's
+    included, at backward.self_consistent_fixed_point with the tail held; q is Eq. 11 of the
+    full entropies there; and lumping the tail into one child with its inner entropy changes
+    nothing."""
+    import guides
+    from toy import backward
+
+    branch, beta = guides.GuideConfig(name="branch"), 0.05
+    tree, ref, rewards, tail, _ = tail_tree(lumped=False)
+    theta, log_q = backward.self_consistent_fixed_point(
+        tree, ref, rewards, "k1_return", beta, branch, tail=tail, min_p=0.01
+    )
+    # A's wrong digit (0.03) leaves the support at min-p's threshold and is held there too
+    again, held = backward.sampler_fixed_point(tree, ref, rewards, log_q, beta, tail, min_p=0.01)
+    assert torch.equal(again, theta) and (held > tail).sum() == 1
+    tail, log_probs = held, tree.param_log_probs(theta)
+    assert torch.allclose(log_probs.exp()[tail > 0], tail[tail > 0], atol=1e-15)
+    assert (log_q - backward.branch_log_q_param(tree, theta, branch)).abs().max() < 1e-13
+    # the sampler's distribution over completions: kept children renormalized per node
+    kept_mass = torch.zeros(len(tree.nodes), dtype=torch.float64).index_add(
+        0, tree.node_of_param, log_probs.exp() * (tail == 0)
+    )
+    sampler = torch.where(tail == 0, log_probs - kept_mass.log()[tree.node_of_param], -math.inf)
+    sampled = (sampler[tree.param_index] * tree.completion_mask).sum(-1).exp()  # [B]
+    returns = rewards - beta * tree.per_token(log_probs - tree.param_log_probs(ref) - log_q).sum(-1)
+    mean = (sampled * returns).sum()
+    weights = (sampled * (returns - mean))[:, None] * tree.completion_mask
+    gradient = tree.log_prob_gradient(theta, torch.nan_to_num(weights))
+    assert gradient.abs().max() < 1e-12
+    assert returns[sampled > 0].std() < 1e-12  # the shaped return is constant on the support
+    # the lumped tail with its inner entropy: the same pi(B)
+    lumped, lumped_ref, lumped_rewards, lumped_tail, inside = tail_tree(lumped=True)
+    lumped_theta, _ = backward.self_consistent_fixed_point(
+        *(lumped, lumped_ref, lumped_rewards, "k1_return", beta, branch),
+        **{"tail": lumped_tail, "min_p": 0.01, "inside": inside},
+    )
+    b = lumped.offsets[0] + lumped.children[0].index(1)
+    assert (
+        abs(lumped.param_log_probs(lumped_theta)[b] - log_probs[tree.children[0].index(1)]) < 1e-12
+    )

@@ -82,8 +82,10 @@ def test_the_prediction_is_eq4s_closed_form_on_the_ideal_task():
     tokenizer = demo.build_tiny_tokenizer()
     task_tree = two_mode.TaskTree(TASK, tokenizer)
     model = IdealModel(tokenizer, TASK)
-    theta, entropies = two_mode.node_distributions(model, [0], task_tree)
-    predicted = two_mode.predict_arms(task_tree, theta, ref_entropies=entropies, beta=0.05)
+    theta, entropies, off_task = two_mode.node_distributions(model, [0], task_tree)
+    predicted = two_mode.predict_arms(
+        task_tree, theta, ref_entropies=entropies, beta=0.05, off_task=off_task
+    )
     a_right = (1 - TASK.p_b) * TASK.p_right**TASK.k
     q = 1 + 0.3 * (math.log(TASK.m) - 1.2)  # Eq. 11 at B's positions, below the cap
 
@@ -96,6 +98,10 @@ def test_the_prediction_is_eq4s_closed_form_on_the_ideal_task():
     assert predicted["k1_return_branch_ref"] == pytest.approx(eq4(q), abs=1e-6)
     assert predicted["k1_return_branch"] == pytest.approx(eq4(q), abs=1e-6)  # B's stay spread
     assert predicted["k3_branch"] == pytest.approx(predicted["k3"], abs=1e-9)  # q cancels
+    # nothing off the task: the sampler's fixed point is Eq. 4's too (A's 1 leaves min-p's
+    # support at its threshold, which lowers A's value by K log(1 - 0.01) at most)
+    for arm, q_at_b in (("k1_return", 1.0), ("k1_return_branch_ref", q), ("k1_return_branch", q)):
+        assert predicted[f"{arm}/sampler"] == pytest.approx(eq4(q_at_b), abs=0.01 * TASK.k)
 
 
 def test_the_task_tree_is_the_tokenizers_own():

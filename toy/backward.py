@@ -157,13 +157,15 @@ def node_solution(
     anchor: torch.Tensor, q_values: torch.Tensor, beta: float, estimator: str
 ) -> torch.Tensor:
     """pi(a|s) solving a per-token estimator's node condition, given p~(a|s) (unnormalized) and
-    Q(s, a)."""
+    Q(s, a), over the last dimension (rows of [N, n] are nodes solved at once)."""
     if estimator in ("k2", "ratio_k3"):
-        return torch.softmax(anchor.log() + q_values / beta, dim=0)
+        return torch.softmax(anchor.log() + q_values / beta, dim=-1)
     if estimator == "k3":
         return exact.eq27_forward_kl_solution(anchor, q_values, beta)
     if estimator == "forward":
-        return forward_node(anchor, q_values, beta)
+        if anchor.dim() == 1:
+            return forward_node(anchor, q_values, beta)
+        return torch.stack([forward_node(a, q, beta) for a, q in zip(anchor, q_values)])
     raise ValueError(f"no per-token node condition for {estimator!r}")
 
 
@@ -174,40 +176,107 @@ def fixed_point(
     log_q_param: torch.Tensor,
     estimator: str,
     beta: float,
+    tail: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Logits [P] of the estimator's fixed point, solved from the deepest nodes up (q fixed)."""
+    """Logits [P] of the estimator's fixed point, solved from the deepest nodes up (q fixed), a
+    level of the tree at a time (``TokenTree.levels``: every node of one depth and width at once).
+
+    ``tail`` [P] (k1_return only): the probability of each child that the sampler never draws
+    (below min-p's threshold), held where it is; 0 for the children it draws. A child outside the
+    sampler's support is never sampled, so its return never enters, and the loss's gradient on its
+    logit is -pi(v|s) E[A | s], which vanishes at the fixed point: its mass t_s = sum of the node's
+    tail is whatever the training left it. The sampled children then hold 1 - t_s in Eq. 4's
+    proportions p~(a|s) exp(V(s a) / beta) (the shaped return is constant on the sampler's
+    support), and the soft value counts the tail through log pi(a|s) = log(1 - t_s) + ...:
+    V(s) = beta log sum_kept p~(a|s) exp(V(s a) / beta) - beta log(1 - t_s).
+    """
     if estimator != "k1_return" and len(set(tree.lengths.tolist())) > 1:
         raise ValueError(
             "per-token node conditions need completions of one length (see the module's docstring)"
         )
-    anchors = (tree.param_log_probs(ref_theta) + log_q_param).exp()  # [P] p~(a|s)
-    leaf_value = dict(zip(tree.completions, rewards.tolist()))
-    value = {}  # V(s): reward to go (per-token estimators) or soft value (k1_return)
+    if tail is not None and estimator != "k1_return":
+        raise ValueError("a tail outside the sampler's support is modelled for k1_return only")
+    log_anchors = tree.param_log_probs(ref_theta) + log_q_param  # [P] log p~(a|s)
+    # V(s): reward to go (per-token estimators) or soft value (k1_return), of nodes, then leaves
+    value = torch.zeros(len(tree.nodes), dtype=DTYPE)
+    rewards = rewards.to(DTYPE)
     theta = torch.empty(tree.num_params, dtype=DTYPE)
-    for i in sorted(range(len(tree.nodes)), key=lambda i: -len(tree.nodes[i])):
-        s, children, offset = tree.nodes[i], tree.children[i], tree.offsets[i]
-        node = slice(offset, offset + len(children))
-        q_values = torch.tensor(
-            [leaf_value.get(s + (a,), value.get(s + (a,))) for a in children], dtype=DTYPE
+    for nodes, params, child in tree.levels:  # [N], [N, c], [N, c]
+        # a child is a node (its value) or ends completion -1 - child (its reward)
+        q_values = torch.where(
+            child >= 0, value[child.clamp_min(0)], rewards[(-1 - child).clamp_min(0)]
         )
         if estimator == "k1_return":
-            logits = anchors[node].log() + q_values / beta
-            probs = torch.softmax(logits, dim=0)
-            value[s] = beta * torch.logsumexp(logits, dim=0).item()
+            logits = log_anchors[params] + q_values / beta
+            if tail is None:
+                probs = torch.softmax(logits, dim=-1)
+                value[nodes] = beta * torch.logsumexp(logits, dim=-1)
+            else:
+                outside, node_tail = tail[params] > 0, tail[params].sum(dim=-1, keepdim=True)
+                logits = logits.masked_fill(outside, float("-inf"))
+                kept = (1.0 - node_tail) * torch.softmax(logits, dim=-1)
+                probs = torch.where(outside, tail[params], kept)
+                value[nodes] = beta * (
+                    torch.logsumexp(logits, dim=-1) - torch.log1p(-node_tail.squeeze(-1))
+                )
         else:
-            probs = node_solution(anchors[node], q_values, beta, estimator)
-            value[s] = (probs * q_values).sum().item()
-        theta[node] = probs.log()
+            probs = node_solution(log_anchors[params].exp(), q_values, beta, estimator)
+            value[nodes] = (probs * q_values).sum(dim=-1)
+        theta[params] = probs.log()
     return theta
 
 
 def branch_log_q_param(
-    tree: TokenTree, theta: torch.Tensor, config: guides.GuideConfig
+    tree: TokenTree,
+    theta: torch.Tensor,
+    config: guides.GuideConfig,
+    inside: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eq. 11 per (node, child) [P]: log clamp(1 + ratio max(0, H(s) - tau)), H (Eq. 12) of
-    pi_theta at s."""
-    node_q = 1.0 + config.ratio * (tree.node_entropies(theta) - config.tau).clamp_min(0.0)
+    pi_theta at s. ``inside`` [P]: the entropy inside each child that stands for many tokens (a
+    lumped tail, its shape held), so that H is the full vocabulary's:
+    H(s) = H_tree(s) + sum_a pi(a|s) inside(a)."""
+    entropies = tree.node_entropies(theta)
+    if inside is not None:
+        weighted = tree.param_log_probs(theta).exp() * inside
+        entropies = entropies + torch.zeros_like(entropies).index_add(
+            0, tree.node_of_param, weighted
+        )
+    node_q = 1.0 + config.ratio * (entropies - config.tau).clamp_min(0.0)
     return node_q.clamp(config.q_min, config.q_max).log()[tree.node_of_param]
+
+
+def sampler_fixed_point(
+    tree: TokenTree,
+    ref_theta: torch.Tensor,
+    rewards: torch.Tensor,
+    log_q_param: torch.Tensor,
+    beta: float,
+    tail: torch.Tensor,
+    min_p: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k1_return's fixed point as a trainer whose sampler truncates with min-p reaches it:
+    ``fixed_point`` with ``tail`` [P] held outside the sampler's support, and every child that
+    Eq. 4 pushes below min-p's threshold (min_p times its node's most likely child) moved outside
+    at that threshold, if pi_ref's sampler drew it: it stops being sampled, and so pushed, as it
+    crosses it. Returns
+    (theta [P], the tail [P] it holds)."""
+
+    def below_threshold(theta):
+        probs = tree.param_log_probs(theta).exp()
+        largest = torch.zeros(len(tree.nodes), dtype=DTYPE).scatter_reduce(
+            0, tree.node_of_param, probs, "amax", include_self=False
+        )[tree.node_of_param]
+        return probs < min_p * largest, min_p * largest
+
+    sampled_at_start = (tail == 0) & ~below_threshold(ref_theta)[0]
+    while True:
+        theta = fixed_point(tree, ref_theta, rewards, log_q_param, "k1_return", beta, tail=tail)
+        below, threshold = below_threshold(theta)
+        leaving = sampled_at_start & (tail == 0) & below
+        if not leaving.any():
+            return theta, tail
+        tail = torch.where(leaving, threshold, tail)
 
 
 def self_consistent_fixed_point(
@@ -218,13 +287,21 @@ def self_consistent_fixed_point(
     beta: float,
     config: guides.GuideConfig,
     iterations: int = 100,
+    tail: torch.Tensor | None = None,
+    min_p: float = 0.0,
+    inside: torch.Tensor | None = None,
 ):
     """The fixed point whose guide is Eq. 11 on its own entropies: iterate q -> fixed point -> q,
-    from the guide of pi_ref. Returns (theta [P], log q [P]); raises if q does not settle."""
-    log_q = branch_log_q_param(tree, ref_theta, config)
+    from the guide of pi_ref. With ``tail`` (k1_return), each fixed point is
+    ``sampler_fixed_point``'s, and ``inside`` makes H the full vocabulary's
+    (``branch_log_q_param``). Returns (theta [P], log q [P]); raises if q does not settle."""
+    log_q = branch_log_q_param(tree, ref_theta, config, inside)
     for _ in range(iterations):
-        theta = fixed_point(tree, ref_theta, rewards, log_q, estimator, beta)
-        new_log_q = branch_log_q_param(tree, theta, config)
+        if tail is None:
+            theta = fixed_point(tree, ref_theta, rewards, log_q, estimator, beta)
+        else:
+            theta, _ = sampler_fixed_point(tree, ref_theta, rewards, log_q, beta, tail, min_p)
+        new_log_q = branch_log_q_param(tree, theta, config, inside)
         if (new_log_q - log_q).abs().max() <= 1e-15:
             return theta, log_q
         log_q = new_log_q

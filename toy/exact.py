@@ -19,7 +19,9 @@ Pieces, in the order the checks use them:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
+from functools import cached_property
 
 import torch
 
@@ -61,7 +63,7 @@ class TokenTree:
         self.children = [sorted(next_tokens[s]) for s in self.nodes]
         # Flat parameter layout: node i owns theta[offsets[i] : offsets[i] + len(children[i])].
         sizes = [len(c) for c in self.children]
-        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.offsets = [0, *itertools.accumulate(sizes)][:-1]
         self.num_params = sum(sizes)
         self.node_of_param = torch.tensor([i for i, n in enumerate(sizes) for _ in range(n)])  # [P]
 
@@ -76,6 +78,31 @@ class TokenTree:
                 self.param_index[b, t] = self.offsets[i] + child_position[i][token]
                 self.completion_mask[b, t] = 1.0
         self.node_id = node_id
+
+    @cached_property
+    def levels(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The nodes grouped by depth and number of children, deepest first, for solvers that go
+        up the tree a level at a time: (node ids [N], their children's parameters [N, c], and
+        what each child is [N, c]: a node's id, or -1 - the index of the completion it ends).
+
+        >>> tree = TokenTree([(0, 0), (0, 1), (1,)])
+        >>> [[part.tolist() for part in level] for level in tree.levels]
+        [[[1], [[2, 3]], [[-1, -2]]], [[0], [[0, 1]], [[1, -3]]]]
+        """
+        completion_id = {y: b for b, y in enumerate(self.completions)}
+        child = [
+            self.node_id[s + (a,)] if s + (a,) in self.node_id else -1 - completion_id[s + (a,)]
+            for s, children in zip(self.nodes, self.children)
+            for a in children
+        ]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, (s, children) in enumerate(zip(self.nodes, self.children)):
+            groups.setdefault((len(s), len(children)), []).append(i)
+        found = []
+        for (_, width), nodes in sorted(groups.items(), key=lambda item: -item[0][0]):
+            params = torch.tensor([[self.offsets[i] + j for j in range(width)] for i in nodes])
+            found.append((torch.tensor(nodes), params, torch.tensor(child)[params]))
+        return found
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -224,25 +251,25 @@ def eq21_entropy_bonus_solution(ref, rewards, beta, alpha):
     return torch.softmax(beta / (beta + alpha) * ref.log() + rewards / (beta + alpha), dim=0)
 
 
-def forward_kl_multiplier(anchor, rewards, beta, iterations: int = 200) -> float:
-    """lambda of Eq. 27: the root of sum_y beta p(y) / (lambda - r(y)) = 1 with lambda > max r.
+def forward_kl_multiplier(anchor, rewards, beta, iterations: int = 200) -> torch.Tensor:
+    """lambda of Eq. 27: the root of sum_y beta p(y) / (lambda - r(y)) = 1 with lambda > max r,
+    over the last dimension (one lambda per row of [..., n] inputs: a tensor [...]).
 
     The sum falls from +inf (lambda -> max r) to at most 1 at lambda = max r + beta sum p, so
     bisection between those two points finds the unique root to the last bit.
     """
-    low = rewards.max().item()
-    high = low + beta * anchor.sum().item()
+    low = rewards.amax(dim=-1)
+    high = low + beta * anchor.sum(dim=-1)
     for _ in range(iterations):
         middle = 0.5 * (low + high)
-        if (beta * anchor / (middle - rewards)).sum().item() > 1.0:
-            low = middle
-        else:
-            high = middle
+        above = (beta * anchor / (middle[..., None] - rewards)).sum(dim=-1) > 1.0
+        low, high = torch.where(above, middle, low), torch.where(above, high, middle)
     return high
 
 
 def eq27_forward_kl_solution(anchor, rewards, beta):
-    """Eq. 27: pi(y) = beta p(y) / (lambda - r(y)), lambda > max r fixed by sum_y pi(y) = 1.
+    """Eq. 27: pi(y) = beta p(y) / (lambda - r(y)), lambda > max r fixed by sum_y pi(y) = 1 (over
+    the last dimension: rows of [..., n] inputs are solved at once).
 
     ``anchor`` is pi_ref for the forward-KL objective; the same form with an unnormalized p~ is
     the fixed point of k3 in the loss (toy/checks.py, section d).
@@ -253,7 +280,7 @@ def eq27_forward_kl_solution(anchor, rewards, beta):
     [0.707107, 0.292893]
     """
     lam = forward_kl_multiplier(anchor, rewards, beta)
-    return beta * anchor / (lam - rewards)
+    return beta * anchor / (lam[..., None] - rewards)
 
 
 # --------------------------------------------------------------------------------------------
