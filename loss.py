@@ -369,11 +369,11 @@ class HeldFixed:
     # log pi_old, the policy that sampled (None: the update's)
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None  # log pi_ref; needed unless beta = 0 or kl = none
-    ref_entropies: torch.Tensor | None = None  # pi_ref's H_t, the guide's with its signals
     log_q: torch.Tensor | None = None  # SAGE: the guide's log q (guides.py); None: q = 1, GRPO
-    entropies: torch.Tensor | None = None  # only logged
+    entropies: torch.Tensor | None = None  # pi_old's H_t: logged, and the policy guide's signal
     engine_logps: torch.Tensor | None = None  # the rollout engine's log-probs, for --tis-cap
     importance_weights: torch.Tensor | None = None  # or weights made elsewhere (TRL's vLLM IS)
+    ref_entropies: torch.Tensor | None = None  # pi_ref's H_t, when the guide reads them
 
 
 def policy_loss(

@@ -303,7 +303,10 @@ def test_k1_return_shaping_keeps_every_tensor_on_the_log_probs_device():
                 batches.append((rows, {"completion_mask": mask}))
                 fixed.append(
                     loss.HeldFixed(
-                        old_logps, -torch.rand(len(rows), 5, device="cuda"), log_q, entropies
+                        old_logps=old_logps,
+                        ref_logps=-torch.rand(len(rows), 5, device="cuda"),
+                        log_q=log_q,
+                        entropies=entropies,
                     )
                 )
             returns = sage.kl_shaped_returns(

@@ -1090,7 +1090,11 @@ def check_k3_value() -> list[Result]:
         :, 0
     ]
     k3_plain = loss.anchor_penalty(logps, p.ref_logps, "reverse", "k3")[:, 0]
-    fixed = loss.HeldFixed(logps, p.ref_logps, torch.full_like(logps, math.log(q_position)))
+    fixed = loss.HeldFixed(
+        old_logps=logps,
+        ref_logps=p.ref_logps,
+        log_q=torch.full_like(logps, math.log(q_position)),
+    )
     _, metrics = loss.policy_loss(
         logps,
         torch.zeros(len(pi), dtype=DTYPE),

@@ -68,7 +68,7 @@ def expected_gradient(
     mask = tree.completion_mask[rows]  # [N, T]
     logps = token_logps.requires_grad_(True)  # the loss's input
     # pi_old = pi: on-policy, ratio 1
-    fixed = loss.HeldFixed(logps.detach(), ref_logps[rows], log_q[rows])
+    fixed = loss.HeldFixed(old_logps=logps.detach(), ref_logps=ref_logps[rows], log_q=log_q[rows])
     config = loss.LossConfig(**loss_options, max_completion_length=tree.shape[1])
     loss_value, _ = loss.policy_loss(logps, advantages, mask, fixed, config)
     (per_token_gradient,) = torch.autograd.grad(loss_value, logps)  # [N, T], each row's own / N
