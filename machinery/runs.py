@@ -1,14 +1,15 @@
-"""Run files: atomic writes, the metrics log, RNG states and checkpoints.
+"""Run files: atomic writes, the metrics log, phase timers and checkpoints.
 
 A training run writes to ``runs/<name>/``: ``config.json``, ``metrics.jsonl`` (one line per
-optimizer step), ``checkpoint/`` (the adapter or the weights, optimizer, scheduler, RNG states and
-the trainer's own state), and the files of its evaluations. Two rules hold for every file here:
+optimizer step), ``checkpoint/`` (``trainer_state.pt`` and the adapter or the weights as
+save_pretrained writes them), and the files of its evaluations. Two rules hold for every file:
 
-* **Nothing half-written is ever seen.** Files are written to a temporary name beside the target
-  and renamed over it (a rename is atomic on POSIX); a checkpoint is a directory written the same
-  way. A crash leaves the previous version intact.
-* **A resumed run continues exactly.** Checkpoints hold the RNG states, and the metrics log is cut
-  back to the checkpoint's step, so the steps redone are logged once.
+* **Nothing half-written is ever seen.** A file is written under a temporary name beside it and
+  renamed over it (a rename is atomic on POSIX). A crash leaves the previous version intact.
+* **A resumed run continues exactly.** ``checkpoint/trainer_state.pt`` is one torch.save'd dict
+  of all that a step changes (as nanoGPT's ckpt.pt): the trainable weights, AdamW's moments, the
+  schedule, the RNG states, the prompt sampler and the guide's generator. The logs are cut back
+  to its step, so the steps redone are logged once.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import tempfile
 import time
 
 import torch
+from tqdm import tqdm
 
 # The environment of a stage run as a subprocess (extras/compare.py, bench/): vLLM in-process,
 # no hub, quiet tokenizers, OpenMP threads that sleep after ~1 ms of spinning (docs/history.md).
@@ -192,23 +194,22 @@ class PhaseTimer:
         return record
 
 
+def save_model_atomic(model, tokenizer, final: str) -> str:
+    """save_pretrained of the model (and of the tokenizer, unless None) into a temporary
+    directory, then a rename over ``final``."""
+    temporary = final + ".tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    model.save_pretrained(temporary)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(temporary)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(temporary, final)
+    return final
+
+
 # --------------------------------------------------------------------------------------------
-# RNG states and checkpoints
+# The checkpoint. ``state`` is (policy, optimizer, scheduler, prompt sampler, guide generator).
 # --------------------------------------------------------------------------------------------
-
-
-def rng_states() -> dict:
-    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: dict) -> None:
-    random.setstate(states["python"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def checkpoint_dir(run_dir: str) -> str:
@@ -219,130 +220,74 @@ def has_checkpoint(run_dir: str) -> bool:
     return os.path.exists(os.path.join(checkpoint_dir(run_dir), "trainer_state.pt"))
 
 
-def save_checkpoint(run_dir: str, policy, optimizer, scheduler, state: dict) -> str:
-    """Write <run>/checkpoint atomically: a temporary directory, then a rename over the old one.
-
-    ``state`` holds the trainer's own state (at least ``step``). If anything fails midway, the
-    previous checkpoint stays intact.
-    """
+def save_checkpoint(run_dir: str, step: int, state: tuple) -> None:
+    """<run>/checkpoint after ``step`` optimizer steps: first ``model/`` (save_pretrained: the
+    LoRA adapter that evaluate.py --adapter reads, or the whole model), then
+    ``trainer_state.pt``, what --resume reads, renamed into place in one act (a failure or a kill
+    before leaves the previous one whole), then ``trainer_state.json``: the step, for people."""
+    policy, optimizer, scheduler, sampler, guide_generator = state
     final = checkpoint_dir(run_dir)
-    temporary = os.path.join(run_dir, f".checkpoint-tmp-{os.getpid()}")
-    shutil.rmtree(temporary, ignore_errors=True)
+    trainer_state = {
+        "step": step,
+        "weights": {name: p.detach() for name, p in policy.named_parameters() if p.requires_grad},
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": (random.getstate(), torch.get_rng_state(), torch.cuda.get_rng_state_all()),
+        "sampler": sampler.state_dict(),
+        "guide_generator": guide_generator.get_state(),
+    }
     try:
-        os.makedirs(temporary)
-        policy.save_pretrained(os.path.join(temporary, "model"))  # the adapter only, for LoRA
-        torch.save(
-            {
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "rng": rng_states(),
-                **state,
-            },
-            os.path.join(temporary, "trainer_state.pt"),
-        )
-        with open(os.path.join(temporary, "trainer_state.json"), "w") as handle:
-            json.dump({"step": state["step"]}, handle)
-        previous = final + ".old"
-        shutil.rmtree(previous, ignore_errors=True)
-        if os.path.exists(final):
-            os.replace(final, previous)
-        os.replace(temporary, final)
-        shutil.rmtree(previous, ignore_errors=True)
+        save_model_atomic(policy, tokenizer=None, final=os.path.join(final, "model"))
+        with atomic_output(os.path.join(final, "trainer_state.pt"), "wb") as handle:
+            torch.save(trainer_state, handle)
+        write_json_atomic(os.path.join(final, "trainer_state.json"), {"step": step})
     except OSError as error:
-        shutil.rmtree(temporary, ignore_errors=True)
         raise SystemExit(
-            f"error: checkpoint write failed ({error}); "
-            f"the previous checkpoint in {final} is intact"
+            f"error: checkpoint write failed ({error}); the previous checkpoint in {final} can "
+            "still be resumed"
         ) from None
-    return final
 
 
-def load_checkpoint(run_dir: str, policy, optimizer, scheduler) -> dict:
-    """Restore weights (adapter or full), optimizer, scheduler and RNG; return the saved state."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    final = checkpoint_dir(run_dir)
-    if not has_checkpoint(run_dir):
-        raise SystemExit(
-            f"error: --resume but no checkpoint in {final}; drop --resume to start fresh"
-        )
-    model_dir = os.path.join(final, "model")
-    if hasattr(policy, "peft_config"):
-        set_peft_model_state_dict(
-            policy, load_file(os.path.join(model_dir, "adapter_model.safetensors"))
-        )
-    else:
-        saved = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=next(policy.parameters()).dtype
-        )
-        policy.load_state_dict(saved.state_dict())
-    state = torch.load(os.path.join(final, "trainer_state.pt"), weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_states(state["rng"])
-    return state
-
-
-def save_model_atomic(model, tokenizer, final: str) -> str:
-    """save_pretrained into a temporary directory, then a rename over ``final``."""
-    temporary = final + ".tmp"
-    shutil.rmtree(temporary, ignore_errors=True)
-    model.save_pretrained(temporary)
-    tokenizer.save_pretrained(temporary)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(temporary, final)
-    return final
+def load_checkpoint(run_dir: str, state: tuple) -> int:
+    """Restore every part of ``state`` and the RNG states from <run>/checkpoint; its step."""
+    policy, optimizer, scheduler, sampler, guide_generator = state
+    path = os.path.join(checkpoint_dir(run_dir), "trainer_state.pt")
+    saved = torch.load(path, weights_only=False)
+    policy.load_state_dict(saved["weights"], strict=False)  # the frozen rest is as loaded
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    python_rng, torch_rng, cuda_rngs = saved["rng"]
+    random.setstate(python_rng)
+    torch.set_rng_state(torch_rng)
+    torch.cuda.set_rng_state_all(cuda_rngs)
+    sampler.load_state_dict(saved["sampler"])
+    guide_generator.set_state(saved["guide_generator"])
+    return saved["step"]
 
 
 def restore_or_start(resume: bool, run_dir: str, state: tuple) -> int:
-    """The step to start from: the checkpoint's with --resume (weights, optimizer, scheduler, RNG,
-    sampler and guide states restored; metrics.jsonl and eval.jsonl cut back to it), else 0 with
-    fresh logs. ``state`` is (policy, optimizer, scheduler, prompt sampler, guide generator)."""
+    """The step to start from: the checkpoint's with --resume (``state`` restored, metrics.jsonl
+    and eval.jsonl cut back to it), else 0 with fresh logs."""
     logs = [os.path.join(run_dir, name) for name in ("metrics.jsonl", "eval.jsonl")]
     if not resume:
         for path in logs:
             if os.path.exists(path):
                 os.remove(path)
         return 0
-    policy, optimizer, scheduler, sampler, guide_generator = state
-    saved = load_checkpoint(run_dir, policy, optimizer, scheduler)
-    sampler.load_state_dict(saved["sampler"])
-    guide_generator.set_state(saved["guide_generator"])
-    truncate_jsonl(logs[0], saved["step"])  # metrics of steps 0 .. step - 1
-    truncate_jsonl(logs[1], saved["step"] + 1)  # evaluations after 0 .. step updates
-    return saved["step"]
-
-
-def checkpoint_due(
-    step: int, start: int, total: int, save_every: int, stop_after: int
-) -> tuple[bool, bool]:
-    """(save now, stop now) after optimizer step ``step`` (0-based) of a run that began at
-    ``start``.
-
-    >>> checkpoint_due(step=1, start=0, total=10, save_every=5, stop_after=2)
-    (True, True)
-    """
-    stopping = stop_after > 0 and step + 1 - start >= stop_after and step + 1 < total
-    return (step + 1) % save_every == 0 or step + 1 == total or stopping, stopping
+    step = load_checkpoint(run_dir, state)
+    truncate_jsonl(logs[0], step)  # metrics of steps 0 .. step - 1
+    truncate_jsonl(logs[1], step + 1)  # evaluations after 0 .. step updates
+    return step
 
 
 def checkpoint_if_due(run_dir: str, step: int, start: int, config, state: tuple) -> bool:
-    """After optimizer step ``step``: save <run>/checkpoint every --save-every steps, after the
-    last and at --stop-after. ``state`` is (policy, optimizer, scheduler, prompt sampler, guide
-    generator). Returns True when --stop-after ends the run here."""
-    from tqdm import tqdm
-
-    policy, optimizer, scheduler, sampler, guide_generator = state
-    save, stop = checkpoint_due(step, start, config.steps, config.save_every, config.stop_after)
-    if save:
-        trainer_state = {
-            "step": step + 1,
-            "sampler": sampler.state_dict(),
-            "guide_generator": guide_generator.get_state(),
-        }
-        save_checkpoint(run_dir, policy, optimizer, scheduler, trainer_state)
+    """After optimizer step ``step`` (0-based) of a run that began at ``start``: save the
+    checkpoint every --save-every steps, after the last and at --stop-after. Returns True when
+    --stop-after ends the run here."""
+    done = step + 1
+    stop = config.stop_after > 0 and done - start >= config.stop_after and done < config.steps
+    if done % config.save_every == 0 or done == config.steps or stop:
+        save_checkpoint(run_dir, done, state)
     if stop:
-        tqdm.write(f"stopped after step {step + 1} as asked; continue with --resume")
+        tqdm.write(f"stopped after step {done} as asked; continue with --resume")
     return stop
