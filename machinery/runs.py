@@ -1,8 +1,6 @@
-"""Run files: atomic writes, the metrics log, phase timers and checkpoints.
-
-A training run writes to ``runs/<name>/``: ``config.json``, ``metrics.jsonl`` (one line per
-optimizer step), ``checkpoint/`` (``trainer_state.pt`` and the adapter or the weights as
-save_pretrained writes them), and the files of its evaluations. Two rules hold for every file:
+"""The run's files: ``runs/<name>/`` holds ``config.json``, ``metrics.jsonl`` (one line per
+optimizer step; ``tensorboard/`` and ``wandb/`` hold the same numbers when --report-to names
+them), ``eval.jsonl`` (each evaluation's rows) and ``checkpoint/``. Two rules hold for each:
 
 * **Nothing half-written is ever seen.** A file is written under a temporary name beside it and
   renamed over it (a rename is atomic on POSIX). A crash leaves the previous version intact.
@@ -16,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
+import math
 import os
 import random
 import shutil
@@ -25,6 +25,8 @@ import time
 
 import torch
 from tqdm import tqdm
+
+from machinery.cli import UsageError
 
 # The environment of a stage run as a subprocess (extras/compare.py, bench/): vLLM in-process,
 # no hub, quiet tokenizers, OpenMP threads that sleep after ~1 ms of spinning (docs/history.md).
@@ -69,13 +71,6 @@ def write_json_atomic(path: str, payload) -> None:
         handle.write("\n")
 
 
-def save_run_config(run_dir: str, config) -> None:
-    """Create the run directory and save the run's config.json in it: only once the run can
-    start (its model, data and reward have loaded), so a run refused earlier leaves nothing."""
-    os.makedirs(run_dir, exist_ok=True)
-    write_json_atomic(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
-
-
 def write_jsonl_atomic(path: str, rows) -> None:
     """Write one JSON object per line, atomically."""
     with atomic_output(path) as handle:
@@ -89,11 +84,6 @@ def read_jsonl(path: str) -> list[dict]:
         return []
     with open(path) as handle:
         return [json.loads(line) for line in handle if line.strip()]
-
-
-# --------------------------------------------------------------------------------------------
-# The metrics log: one JSON line per step
-# --------------------------------------------------------------------------------------------
 
 
 def append_jsonl(path: str, record: dict) -> None:
@@ -110,90 +100,6 @@ def truncate_jsonl(path: str, before_step: int) -> None:
         write_jsonl_atomic(path, [row for row in read_jsonl(path) if row["step"] < before_step])
 
 
-class CountedMemory:
-    """What the code run inside ``with CountedMemory() as engine:`` adds to torch's CUDA counters:
-    ``engine.allocated`` and ``engine.reserved`` bytes (0 on the CPU).
-
-    Started inside, vLLM's engine keeps those bytes in the counters while it sleeps: its sleep
-    mode unmaps the pages of its weights and KV cache, but the tensors, and so torch's
-    allocated and reserved counts of them, stay (vLLM issues 17117 and 33625). ``PhaseTimer``
-    subtracts them, so that a phase's peak is what the trainer itself holds.
-
-    >>> with CountedMemory() as engine:
-    ...     pass
-    >>> engine.allocated, engine.reserved
-    (0, 0)
-    """
-
-    def __init__(self):
-        self.allocated = self.reserved = 0
-
-    def __enter__(self) -> CountedMemory:
-        self.on_cuda = torch.cuda.is_available()
-        if self.on_cuda:
-            self.allocated = -torch.cuda.memory_allocated()
-            self.reserved = -torch.cuda.memory_reserved()
-        return self
-
-    def __exit__(self, *exception) -> None:
-        if self.on_cuda:
-            self.allocated += torch.cuda.memory_allocated()
-            self.reserved += torch.cuda.memory_reserved()
-
-
-class PhaseTimer:
-    """Wall-clock seconds per phase of a step, accumulated over the step, and on CUDA the peak
-    allocated and reserved memory of each phase (the statistics reset as a phase starts), less
-    what the rollout engine keeps counted (``engine``, a ``CountedMemory``): the trainer's own.
-
-    >>> timer = PhaseTimer()
-    >>> with timer("reward"):
-    ...     pass
-    >>> [key for key in timer.record() if key.startswith("time/")]  # memory/ keys too on CUDA
-    ['time/reward_s', 'time/step_s', 'time/other_s']
-    """
-
-    def __init__(self, engine: CountedMemory | None = None):
-        self.seconds: dict[str, float] = {}
-        self.peaks: dict[str, tuple[float, float]] = {}  # GB allocated, reserved (CUDA only)
-        self.engine = engine or CountedMemory()
-        self.on_cuda = torch.cuda.is_available()
-        self.started = time.perf_counter()
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        started = time.perf_counter()
-        if self.on_cuda:
-            torch.cuda.reset_peak_memory_stats()
-        try:
-            yield
-        finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
-            if self.on_cuda:
-                peak = (
-                    torch.cuda.max_memory_allocated() - self.engine.allocated,
-                    torch.cuda.max_memory_reserved() - self.engine.reserved,
-                )
-                before = self.peaks.get(phase, (0.0, 0.0))
-                self.peaks[phase] = tuple(max(a, b / 1e9) for a, b in zip(before, peak))
-
-    def record(self) -> dict[str, float]:
-        """Each phase's seconds, the whole step's since the timer was made, and what no phase
-        covers; on CUDA each phase's peak memory less the engine's (``memory/<phase>_peak_gb``
-        allocated, ``memory/<phase>_peak_reserved_gb``), and the engine's (``memory/engine_gb``,
-        ``memory/engine_reserved_gb``)."""
-        record = {f"time/{phase}_s": seconds for phase, seconds in self.seconds.items()}
-        record["time/step_s"] = time.perf_counter() - self.started
-        record["time/other_s"] = record["time/step_s"] - sum(self.seconds.values())
-        for phase, (allocated, reserved) in self.peaks.items():
-            record[f"memory/{phase}_peak_gb"] = allocated
-            record[f"memory/{phase}_peak_reserved_gb"] = reserved
-        if self.peaks:
-            record["memory/engine_gb"] = self.engine.allocated / 1e9
-            record["memory/engine_reserved_gb"] = self.engine.reserved / 1e9
-        return record
-
-
 def save_model_atomic(model, tokenizer, final: str) -> str:
     """save_pretrained of the model (and of the tokenizer, unless None) into a temporary
     directory, then a rename over ``final``."""
@@ -205,6 +111,13 @@ def save_model_atomic(model, tokenizer, final: str) -> str:
     shutil.rmtree(final, ignore_errors=True)
     os.replace(temporary, final)
     return final
+
+
+def save_run_config(run_dir: str, config) -> None:
+    """Create the run directory and save the run's config.json in it: only once the run can
+    start (its model, data and reward have loaded), so a run refused earlier leaves nothing."""
+    os.makedirs(run_dir, exist_ok=True)
+    write_json_atomic(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,3 +204,255 @@ def checkpoint_if_due(run_dir: str, step: int, start: int, config, state: tuple)
     if stop:
         tqdm.write(f"stopped after step {done} as asked; continue with --resume")
     return stop
+
+
+# --------------------------------------------------------------------------------------------
+# The records: metrics.jsonl and the --report-to trackers, eval.jsonl, the progress bar
+# --------------------------------------------------------------------------------------------
+
+TRACKERS = ("jsonl", "tensorboard", "wandb")
+
+
+def parse_report_to(spec: str) -> list[str]:
+    """``"tensorboard,wandb"`` -> ["jsonl", "tensorboard", "wandb"] (jsonl is always on); a name
+    that is not a tracker, or whose package is not installed, is refused.
+
+    >>> parse_report_to("wandb"), parse_report_to("")
+    (['jsonl', 'wandb'], ['jsonl'])
+    """
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    for name in names:
+        if name not in TRACKERS:
+            raise UsageError(f"unknown --report-to {name!r}: choose among {', '.join(TRACKERS)}")
+        if name != "jsonl" and importlib.util.find_spec(name) is None:
+            raise UsageError(f"--report-to {name} needs the {name} package: pip install {name}")
+    return ["jsonl"] + [name for name in TRACKERS[1:] if name in names]
+
+
+class RunLogger:
+    """A run's records: one metrics.jsonl line per step, whose numbers also go, under the same
+    keys, to TensorBoard (its SummaryWriter) and W&B (``wandb.init``; ``WANDB_MODE=offline``
+    needs no network, ``wandb sync`` uploads later) when --report-to names them; each
+    evaluation's rows in eval.jsonl; the progress bar, the zero-reward warning and the lines on
+    the trainer's peak memory against the plan's forecast (``forecast_gb``, CUDA)."""
+
+    def __init__(self, config, run_dir: str, forecast_gb: float | None = None):
+        self.config, self.run_dir, self.forecast_gb = config, run_dir, forecast_gb
+        self.peak_gb: float | None = None  # the trainer's highest peak allocated so far (CUDA)
+        self.zero_reward_streak = 0
+        names = parse_report_to(config.report_to)
+        self.tensorboard = self.wandb = None
+        if "tensorboard" in names:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if "wandb" in names:
+            import wandb
+
+            name = os.path.basename(run_dir)  # also the run's id: --resume continues it
+            self.wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "sage-rl"),
+                name=name,
+                id=name,
+                dir=run_dir,
+                config=dataclasses.asdict(config),
+                resume="allow" if config.resume else None,
+            )
+
+    def log(self, record: dict, step: int) -> None:
+        """One line of metrics.jsonl; its finite numbers to the trackers."""
+        append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), record)
+        self.track(
+            {
+                key: value
+                for key, value in record.items()
+                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value)
+            },
+            step,
+        )
+
+    def track(self, numbers: dict, step: int) -> None:
+        """Numbers to TensorBoard and W&B (those --report-to names)."""
+        if self.tensorboard is not None:
+            for key, value in numbers.items():
+                self.tensorboard.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
+
+    def log_step(
+        self, step: int, rollouts, rewards, metrics: dict, timer, lr: float, progress=None
+    ) -> None:
+        """One line of metrics.jsonl (and the trackers), the figures on the ``progress`` bar, the
+        zero-reward warning."""
+        lengths = [len(c) for c in rollouts.completion_ids]
+        record = {
+            "step": step,
+            "reward": rewards.mean().item(),
+            "accuracy": (rewards > 0.5).float().mean().item(),
+            "response_length": sum(lengths) / max(1, len(lengths)),
+            "frac_truncated": sum(r == "length" for r in rollouts.finish_reasons)
+            / max(1, len(lengths)),
+            "lr": lr,
+            **metrics,
+            **timer.record(),
+        }
+        self.log(record, step)
+        self.check_memory(record, step)
+        if progress is not None:
+            progress.set_postfix(
+                reward=f"{record['reward']:.3f}", kl=f"{record.get('kl/ref_k3', 0.0):.4f}"
+            )
+        all_zero = rewards.numel() == 0 or rewards.max() <= 0
+        self.zero_reward_streak = self.zero_reward_streak + 1 if all_zero else 0
+        if self.zero_reward_streak == self.config.zero_reward_warning:
+            tqdm.write(
+                f"warning: {self.zero_reward_streak} steps in a row with all-zero rewards: no "
+                "learning signal; check the answer format and the reward, or warm-start with "
+                "--sft-dataset"
+            )
+
+    def check_memory(self, record: dict, step: int) -> None:
+        """On CUDA: the trainer's peak allocated so far (the engine's counted bytes left out, as
+        the plan's trainer share leaves them out), and one line the first time a step's exceeds
+        that forecast."""
+        peaks = [v for k, v in record.items() if k.startswith("memory/") and k.endswith("_peak_gb")]
+        if not peaks:
+            return
+        first_excess = self.peak_gb is None or self.peak_gb <= (self.forecast_gb or math.inf)
+        self.peak_gb = max(self.peak_gb or 0.0, max(peaks))
+        if first_excess and self.peak_gb > (self.forecast_gb or math.inf):
+            tqdm.write(memory_line(self.peak_gb, self.forecast_gb, f"step {step}"))
+
+    def log_evaluation(self, rows: list[dict]) -> None:
+        """An evaluation's rows (evaluate.training_evaluation's) into eval.jsonl, the trackers and
+        one line each."""
+        for row in rows:
+            append_jsonl(os.path.join(self.run_dir, "eval.jsonl"), row)
+            numbers = {key: value for key, value in row.items() if key.startswith("pass@")}
+            for group, entry in row.get("support", {}).items():
+                numbers |= {
+                    f"support/{group}/{key}": value
+                    for key, value in entry.items()
+                    if isinstance(value, float)
+                }
+            self.track(
+                {f"eval/{row['benchmark']}/{key}": value for key, value in numbers.items()},
+                row["step"],
+            )
+            n = row["n"]
+            tqdm.write(
+                f"eval after {row['step']} steps, {row['benchmark']}: pass@1 "
+                f"{row['pass@1']:.3f}, pass@{n} {row[f'pass@{n}']:.3f}"
+            )
+
+    def close(self) -> None:
+        if self.peak_gb is not None:
+            print(memory_line(self.peak_gb, self.forecast_gb, "the run"))
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            import wandb
+
+            wandb.teardown()  # finishes the run, ends the service process wandb.init started
+
+
+def memory_line(peak_gb: float, forecast_gb: float | None, what: str) -> str:
+    """The trainer's peak allocated GPU memory against the plan's forecast, in one line.
+
+    >>> memory_line(41.5, 38.0, "step 3")
+    "[memory] step 3: the trainer peaked at 41.5 GB allocated, above the plan's 38.0 GB"
+    """
+    if forecast_gb is None:
+        return f"[memory] {what}: the trainer peaked at {peak_gb:.1f} GB allocated, no plan"
+    side = "above" if peak_gb > forecast_gb else "within"
+    return (
+        f"[memory] {what}: the trainer peaked at {peak_gb:.1f} GB allocated, {side} the plan's "
+        f"{forecast_gb:.1f} GB"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# A step's phases: seconds, and on CUDA the trainer's peak memory
+# --------------------------------------------------------------------------------------------
+
+
+class CountedMemory:
+    """What the code run inside ``with CountedMemory() as engine:`` adds to torch's CUDA counters:
+    ``engine.allocated`` and ``engine.reserved`` bytes (0 on the CPU).
+
+    Started inside, vLLM's engine keeps those bytes in the counters while it sleeps: its sleep
+    mode unmaps the pages of its weights and KV cache, but the tensors, and so torch's
+    allocated and reserved counts of them, stay (vLLM issues 17117 and 33625). ``PhaseTimer``
+    subtracts them, so that a phase's peak is what the trainer itself holds.
+
+    >>> with CountedMemory() as engine:
+    ...     pass
+    >>> engine.allocated, engine.reserved
+    (0, 0)
+    """
+
+    def __init__(self):
+        self.allocated = self.reserved = 0
+
+    def __enter__(self) -> CountedMemory:
+        self.on_cuda = torch.cuda.is_available()
+        if self.on_cuda:
+            self.allocated = -torch.cuda.memory_allocated()
+            self.reserved = -torch.cuda.memory_reserved()
+        return self
+
+    def __exit__(self, *exception) -> None:
+        if self.on_cuda:
+            self.allocated += torch.cuda.memory_allocated()
+            self.reserved += torch.cuda.memory_reserved()
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of a step, accumulated over the step, and on CUDA the peak
+    allocated and reserved memory of each phase (the statistics reset as a phase starts), less
+    what the rollout engine keeps counted (``engine``, a ``CountedMemory``): the trainer's own.
+
+    >>> timer = PhaseTimer()
+    >>> with timer("reward"):
+    ...     pass
+    >>> [key for key in timer.record() if key.startswith("time/")]  # memory/ keys too on CUDA
+    ['time/reward_s', 'time/step_s', 'time/other_s']
+    """
+
+    def __init__(self, engine: CountedMemory | None = None):
+        self.seconds: dict[str, float] = {}
+        self.peaks: dict[str, tuple[float, float]] = {}  # GB allocated, reserved (CUDA only)
+        self.engine = engine or CountedMemory()
+        self.on_cuda = torch.cuda.is_available()
+        self.started = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        started = time.perf_counter()
+        if self.on_cuda:
+            torch.cuda.reset_peak_memory_stats()
+        yield  # (an exception in a phase ends the run: the phase is not recorded)
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
+        if self.on_cuda:
+            peak = (
+                torch.cuda.max_memory_allocated() - self.engine.allocated,
+                torch.cuda.max_memory_reserved() - self.engine.reserved,
+            )
+            before = self.peaks.get(phase, (0.0, 0.0))
+            self.peaks[phase] = tuple(max(a, b / 1e9) for a, b in zip(before, peak))
+
+    def record(self) -> dict[str, float]:
+        """Each phase's seconds, the whole step's since the timer was made, and what no phase
+        covers; on CUDA each phase's peak memory less the engine's (``memory/<phase>_peak_gb``
+        allocated, ``memory/<phase>_peak_reserved_gb``), and the engine's (``memory/engine_gb``,
+        ``memory/engine_reserved_gb``)."""
+        record = {f"time/{phase}_s": seconds for phase, seconds in self.seconds.items()}
+        record["time/step_s"] = time.perf_counter() - self.started
+        record["time/other_s"] = record["time/step_s"] - sum(self.seconds.values())
+        for phase, (allocated, reserved) in self.peaks.items():
+            record[f"memory/{phase}_peak_gb"] = allocated
+            record[f"memory/{phase}_peak_reserved_gb"] = reserved
+        if self.peaks:
+            record["memory/engine_gb"] = self.engine.allocated / 1e9
+            record["memory/engine_reserved_gb"] = self.engine.reserved / 1e9
+        return record
