@@ -37,7 +37,7 @@ import loss
 import rollout
 from evaluate import EvalConfig
 from extras.flags import DynamicSamplingConfig, HintsConfig, SFTConfig
-from machinery import cli, flag_checks, hub, memory_plan, models, runs, trackers
+from machinery import cli, flag_checks, hub, memory_plan, models, runs
 from machinery.data import PromptSampler, load_rows, training_problems
 from machinery.task import build_prompt_ids, load_reward_function
 
@@ -721,7 +721,7 @@ def main(argv: list[str] | None = None) -> dict:
     held_out = evaluate.training_benchmarks(config)  # what --eval-every evaluates
     runs.save_run_config(run_dir, config)  # the run can start: model, data and reward loaded
     start = runs.restore_or_start(config.resume, run_dir, state=state)
-    logger = trackers.RunLogger(config, run_dir, forecast_gb=forecast_gb)
+    logger = runs.RunLogger(config, run_dir, forecast_gb=forecast_gb)
     with runs.CountedMemory() as engine_memory:  # CUDA: what the engine keeps in torch's counters
         engine = start_engine(config, base_path, policy=policy, reference=reference)
     if start == 0:  # pass@k (and the probe) of the starting policy, not again on a resume

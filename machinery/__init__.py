@@ -1,6 +1,6 @@
-"""Machinery the method runs on but does not consist of: run files and checkpoints, data loading,
-answer grading and its worker pool, model loading, the command line, vLLM-on-CPU handling, the
-fast log-prob kernel, metric trackers, the memory plan (and the engine's share of the GPU),
-evaluate.py's results files, the weight push and input checks. It imports no chapter: a chapter
-passes it what it needs.
+"""Machinery the method runs on but does not consist of: the run's files (config, metrics and
+their trackers, checkpoints), data loading, answer grading and its worker pool, model loading,
+the command line, vLLM-on-CPU handling, the fast log-prob kernel, the memory plan (and the
+engine's share of the GPU), evaluate.py's results files, the weight push and input checks. It
+imports no chapter: a chapter passes it what it needs.
 """

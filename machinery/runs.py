@@ -1,21 +1,22 @@
-"""Run files: atomic writes, the metrics log, RNG states and checkpoints.
+"""The run's files: ``runs/<name>/`` holds ``config.json``, ``metrics.jsonl`` (one line per
+optimizer step; ``tensorboard/`` and ``wandb/`` hold the same numbers when --report-to names
+them), ``eval.jsonl`` (each evaluation's rows) and ``checkpoint/``. Two rules hold for each:
 
-A training run writes to ``runs/<name>/``: ``config.json``, ``metrics.jsonl`` (one line per
-optimizer step), ``checkpoint/`` (the adapter or the weights, optimizer, scheduler, RNG states and
-the trainer's own state), and the files of its evaluations. Two rules hold for every file here:
-
-* **Nothing half-written is ever seen.** Files are written to a temporary name beside the target
-  and renamed over it (a rename is atomic on POSIX); a checkpoint is a directory written the same
-  way. A crash leaves the previous version intact.
-* **A resumed run continues exactly.** Checkpoints hold the RNG states, and the metrics log is cut
-  back to the checkpoint's step, so the steps redone are logged once.
+* **Nothing half-written is ever seen.** A file is written under a temporary name beside it and
+  renamed over it (a rename is atomic on POSIX). A crash leaves the previous version intact.
+* **A resumed run continues exactly.** ``checkpoint/trainer_state.pt`` is one torch.save'd dict
+  of all that a step changes (as nanoGPT's ckpt.pt): the trainable weights, AdamW's moments, the
+  schedule, the RNG states, the prompt sampler and the guide's generator. The logs are cut back
+  to its step, so the steps redone are logged once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
+import math
 import os
 import random
 import shutil
@@ -23,6 +24,9 @@ import tempfile
 import time
 
 import torch
+from tqdm import tqdm
+
+from machinery.cli import UsageError
 
 # The environment of a stage run as a subprocess (extras/compare.py, bench/): vLLM in-process,
 # no hub, quiet tokenizers, OpenMP threads that sleep after ~1 ms of spinning (docs/history.md).
@@ -67,13 +71,6 @@ def write_json_atomic(path: str, payload) -> None:
         handle.write("\n")
 
 
-def save_run_config(run_dir: str, config) -> None:
-    """Create the run directory and save the run's config.json in it: only once the run can
-    start (its model, data and reward have loaded), so a run refused earlier leaves nothing."""
-    os.makedirs(run_dir, exist_ok=True)
-    write_json_atomic(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
-
-
 def write_jsonl_atomic(path: str, rows) -> None:
     """Write one JSON object per line, atomically."""
     with atomic_output(path) as handle:
@@ -89,11 +86,6 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-# --------------------------------------------------------------------------------------------
-# The metrics log: one JSON line per step
-# --------------------------------------------------------------------------------------------
-
-
 def append_jsonl(path: str, record: dict) -> None:
     """Append one JSON line, flushed to disk (a crash loses at most the line being written)."""
     with open(path, "a") as handle:
@@ -106,6 +98,282 @@ def truncate_jsonl(path: str, before_step: int) -> None:
     """On resume: drop the lines of steps the checkpoint does not include (they will be redone)."""
     if os.path.exists(path):
         write_jsonl_atomic(path, [row for row in read_jsonl(path) if row["step"] < before_step])
+
+
+def save_model_atomic(model, tokenizer, final: str) -> str:
+    """save_pretrained of the model (and of the tokenizer, unless None) into a temporary
+    directory, then a rename over ``final``."""
+    temporary = final + ".tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    model.save_pretrained(temporary)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(temporary)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(temporary, final)
+    return final
+
+
+def save_run_config(run_dir: str, config) -> None:
+    """Create the run directory and save the run's config.json in it: only once the run can
+    start (its model, data and reward have loaded), so a run refused earlier leaves nothing."""
+    os.makedirs(run_dir, exist_ok=True)
+    write_json_atomic(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
+
+
+# --------------------------------------------------------------------------------------------
+# The checkpoint. ``state`` is (policy, optimizer, scheduler, prompt sampler, guide generator).
+# --------------------------------------------------------------------------------------------
+
+
+def checkpoint_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "checkpoint")
+
+
+def has_checkpoint(run_dir: str) -> bool:
+    return os.path.exists(os.path.join(checkpoint_dir(run_dir), "trainer_state.pt"))
+
+
+def save_checkpoint(run_dir: str, step: int, state: tuple) -> None:
+    """<run>/checkpoint after ``step`` optimizer steps: first ``model/`` (save_pretrained: the
+    LoRA adapter that evaluate.py --adapter reads, or the whole model), then
+    ``trainer_state.pt``, what --resume reads, renamed into place in one act (a failure or a kill
+    before leaves the previous one whole), then ``trainer_state.json``: the step, for people."""
+    policy, optimizer, scheduler, sampler, guide_generator = state
+    final = checkpoint_dir(run_dir)
+    trainer_state = {
+        "step": step,
+        "weights": {name: p.detach() for name, p in policy.named_parameters() if p.requires_grad},
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": (random.getstate(), torch.get_rng_state(), torch.cuda.get_rng_state_all()),
+        "sampler": sampler.state_dict(),
+        "guide_generator": guide_generator.get_state(),
+    }
+    try:
+        save_model_atomic(policy, tokenizer=None, final=os.path.join(final, "model"))
+        with atomic_output(os.path.join(final, "trainer_state.pt"), "wb") as handle:
+            torch.save(trainer_state, handle)
+        write_json_atomic(os.path.join(final, "trainer_state.json"), {"step": step})
+    except OSError as error:
+        raise SystemExit(
+            f"error: checkpoint write failed ({error}); the previous checkpoint in {final} can "
+            "still be resumed"
+        ) from None
+
+
+def load_checkpoint(run_dir: str, state: tuple) -> int:
+    """Restore every part of ``state`` and the RNG states from <run>/checkpoint; its step."""
+    policy, optimizer, scheduler, sampler, guide_generator = state
+    path = os.path.join(checkpoint_dir(run_dir), "trainer_state.pt")
+    saved = torch.load(path, weights_only=False)
+    policy.load_state_dict(saved["weights"], strict=False)  # the frozen rest is as loaded
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    python_rng, torch_rng, cuda_rngs = saved["rng"]
+    random.setstate(python_rng)
+    torch.set_rng_state(torch_rng)
+    torch.cuda.set_rng_state_all(cuda_rngs)
+    sampler.load_state_dict(saved["sampler"])
+    guide_generator.set_state(saved["guide_generator"])
+    return saved["step"]
+
+
+def restore_or_start(resume: bool, run_dir: str, state: tuple) -> int:
+    """The step to start from: the checkpoint's with --resume (``state`` restored, metrics.jsonl
+    and eval.jsonl cut back to it), else 0 with fresh logs."""
+    logs = [os.path.join(run_dir, name) for name in ("metrics.jsonl", "eval.jsonl")]
+    if not resume:
+        for path in logs:
+            if os.path.exists(path):
+                os.remove(path)
+        return 0
+    step = load_checkpoint(run_dir, state)
+    truncate_jsonl(logs[0], step)  # metrics of steps 0 .. step - 1
+    truncate_jsonl(logs[1], step + 1)  # evaluations after 0 .. step updates
+    return step
+
+
+def checkpoint_if_due(run_dir: str, step: int, start: int, config, state: tuple) -> bool:
+    """After optimizer step ``step`` (0-based) of a run that began at ``start``: save the
+    checkpoint every --save-every steps, after the last and at --stop-after. Returns True when
+    --stop-after ends the run here."""
+    done = step + 1
+    stop = config.stop_after > 0 and done - start >= config.stop_after and done < config.steps
+    if done % config.save_every == 0 or done == config.steps or stop:
+        save_checkpoint(run_dir, done, state)
+    if stop:
+        tqdm.write(f"stopped after step {done} as asked; continue with --resume")
+    return stop
+
+
+# --------------------------------------------------------------------------------------------
+# The records: metrics.jsonl and the --report-to trackers, eval.jsonl, the progress bar
+# --------------------------------------------------------------------------------------------
+
+TRACKERS = ("jsonl", "tensorboard", "wandb")
+
+
+def parse_report_to(spec: str) -> list[str]:
+    """``"tensorboard,wandb"`` -> ["jsonl", "tensorboard", "wandb"] (jsonl is always on); a name
+    that is not a tracker, or whose package is not installed, is refused.
+
+    >>> parse_report_to("wandb"), parse_report_to("")
+    (['jsonl', 'wandb'], ['jsonl'])
+    """
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    for name in names:
+        if name not in TRACKERS:
+            raise UsageError(f"unknown --report-to {name!r}: choose among {', '.join(TRACKERS)}")
+        if name != "jsonl" and importlib.util.find_spec(name) is None:
+            raise UsageError(f"--report-to {name} needs the {name} package: pip install {name}")
+    return ["jsonl"] + [name for name in TRACKERS[1:] if name in names]
+
+
+class RunLogger:
+    """A run's records: one metrics.jsonl line per step, whose numbers also go, under the same
+    keys, to TensorBoard (its SummaryWriter) and W&B (``wandb.init``; ``WANDB_MODE=offline``
+    needs no network, ``wandb sync`` uploads later) when --report-to names them; each
+    evaluation's rows in eval.jsonl; the progress bar, the zero-reward warning and the lines on
+    the trainer's peak memory against the plan's forecast (``forecast_gb``, CUDA)."""
+
+    def __init__(self, config, run_dir: str, forecast_gb: float | None = None):
+        self.config, self.run_dir, self.forecast_gb = config, run_dir, forecast_gb
+        self.peak_gb: float | None = None  # the trainer's highest peak allocated so far (CUDA)
+        self.zero_reward_streak = 0
+        names = parse_report_to(config.report_to)
+        self.tensorboard = self.wandb = None
+        if "tensorboard" in names:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        if "wandb" in names:
+            import wandb
+
+            name = os.path.basename(run_dir)  # also the run's id: --resume continues it
+            self.wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "sage-rl"),
+                name=name,
+                id=name,
+                dir=run_dir,
+                config=dataclasses.asdict(config),
+                resume="allow" if config.resume else None,
+            )
+
+    def log(self, record: dict, step: int) -> None:
+        """One line of metrics.jsonl; its finite numbers to the trackers."""
+        append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), record)
+        self.track(
+            {
+                key: value
+                for key, value in record.items()
+                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value)
+            },
+            step,
+        )
+
+    def track(self, numbers: dict, step: int) -> None:
+        """Numbers to TensorBoard and W&B (those --report-to names)."""
+        if self.tensorboard is not None:
+            for key, value in numbers.items():
+                self.tensorboard.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
+
+    def log_step(
+        self, step: int, rollouts, rewards, metrics: dict, timer, lr: float, progress=None
+    ) -> None:
+        """One line of metrics.jsonl (and the trackers), the figures on the ``progress`` bar, the
+        zero-reward warning."""
+        lengths = [len(c) for c in rollouts.completion_ids]
+        record = {
+            "step": step,
+            "reward": rewards.mean().item(),
+            "accuracy": (rewards > 0.5).float().mean().item(),
+            "response_length": sum(lengths) / max(1, len(lengths)),
+            "frac_truncated": sum(r == "length" for r in rollouts.finish_reasons)
+            / max(1, len(lengths)),
+            "lr": lr,
+            **metrics,
+            **timer.record(),
+        }
+        self.log(record, step)
+        self.check_memory(record, step)
+        if progress is not None:
+            progress.set_postfix(
+                reward=f"{record['reward']:.3f}", kl=f"{record.get('kl/ref_k3', 0.0):.4f}"
+            )
+        all_zero = rewards.numel() == 0 or rewards.max() <= 0
+        self.zero_reward_streak = self.zero_reward_streak + 1 if all_zero else 0
+        if self.zero_reward_streak == self.config.zero_reward_warning:
+            tqdm.write(
+                f"warning: {self.zero_reward_streak} steps in a row with all-zero rewards: no "
+                "learning signal; check the answer format and the reward, or warm-start with "
+                "--sft-dataset"
+            )
+
+    def check_memory(self, record: dict, step: int) -> None:
+        """On CUDA: the trainer's peak allocated so far (the engine's counted bytes left out, as
+        the plan's trainer share leaves them out), and one line the first time a step's exceeds
+        that forecast."""
+        peaks = [v for k, v in record.items() if k.startswith("memory/") and k.endswith("_peak_gb")]
+        if not peaks:
+            return
+        first_excess = self.peak_gb is None or self.peak_gb <= (self.forecast_gb or math.inf)
+        self.peak_gb = max(self.peak_gb or 0.0, max(peaks))
+        if first_excess and self.peak_gb > (self.forecast_gb or math.inf):
+            tqdm.write(memory_line(self.peak_gb, self.forecast_gb, f"step {step}"))
+
+    def log_evaluation(self, rows: list[dict]) -> None:
+        """An evaluation's rows (evaluate.training_evaluation's) into eval.jsonl, the trackers and
+        one line each."""
+        for row in rows:
+            append_jsonl(os.path.join(self.run_dir, "eval.jsonl"), row)
+            numbers = {key: value for key, value in row.items() if key.startswith("pass@")}
+            for group, entry in row.get("support", {}).items():
+                numbers |= {
+                    f"support/{group}/{key}": value
+                    for key, value in entry.items()
+                    if isinstance(value, float)
+                }
+            self.track(
+                {f"eval/{row['benchmark']}/{key}": value for key, value in numbers.items()},
+                row["step"],
+            )
+            n = row["n"]
+            tqdm.write(
+                f"eval after {row['step']} steps, {row['benchmark']}: pass@1 "
+                f"{row['pass@1']:.3f}, pass@{n} {row[f'pass@{n}']:.3f}"
+            )
+
+    def close(self) -> None:
+        if self.peak_gb is not None:
+            print(memory_line(self.peak_gb, self.forecast_gb, "the run"))
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            import wandb
+
+            wandb.teardown()  # finishes the run, ends the service process wandb.init started
+
+
+def memory_line(peak_gb: float, forecast_gb: float | None, what: str) -> str:
+    """The trainer's peak allocated GPU memory against the plan's forecast, in one line.
+
+    >>> memory_line(41.5, 38.0, "step 3")
+    "[memory] step 3: the trainer peaked at 41.5 GB allocated, above the plan's 38.0 GB"
+    """
+    if forecast_gb is None:
+        return f"[memory] {what}: the trainer peaked at {peak_gb:.1f} GB allocated, no plan"
+    side = "above" if peak_gb > forecast_gb else "within"
+    return (
+        f"[memory] {what}: the trainer peaked at {peak_gb:.1f} GB allocated, {side} the plan's "
+        f"{forecast_gb:.1f} GB"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# A step's phases: seconds, and on CUDA the trainer's peak memory
+# --------------------------------------------------------------------------------------------
 
 
 class CountedMemory:
@@ -163,17 +431,15 @@ class PhaseTimer:
         started = time.perf_counter()
         if self.on_cuda:
             torch.cuda.reset_peak_memory_stats()
-        try:
-            yield
-        finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
-            if self.on_cuda:
-                peak = (
-                    torch.cuda.max_memory_allocated() - self.engine.allocated,
-                    torch.cuda.max_memory_reserved() - self.engine.reserved,
-                )
-                before = self.peaks.get(phase, (0.0, 0.0))
-                self.peaks[phase] = tuple(max(a, b / 1e9) for a, b in zip(before, peak))
+        yield  # (an exception in a phase ends the run: the phase is not recorded)
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
+        if self.on_cuda:
+            peak = (
+                torch.cuda.max_memory_allocated() - self.engine.allocated,
+                torch.cuda.max_memory_reserved() - self.engine.reserved,
+            )
+            before = self.peaks.get(phase, (0.0, 0.0))
+            self.peaks[phase] = tuple(max(a, b / 1e9) for a, b in zip(before, peak))
 
     def record(self) -> dict[str, float]:
         """Each phase's seconds, the whole step's since the timer was made, and what no phase
@@ -190,159 +456,3 @@ class PhaseTimer:
             record["memory/engine_gb"] = self.engine.allocated / 1e9
             record["memory/engine_reserved_gb"] = self.engine.reserved / 1e9
         return record
-
-
-# --------------------------------------------------------------------------------------------
-# RNG states and checkpoints
-# --------------------------------------------------------------------------------------------
-
-
-def rng_states() -> dict:
-    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def set_rng_states(states: dict) -> None:
-    random.setstate(states["python"])
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
-
-
-def checkpoint_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, "checkpoint")
-
-
-def has_checkpoint(run_dir: str) -> bool:
-    return os.path.exists(os.path.join(checkpoint_dir(run_dir), "trainer_state.pt"))
-
-
-def save_checkpoint(run_dir: str, policy, optimizer, scheduler, state: dict) -> str:
-    """Write <run>/checkpoint atomically: a temporary directory, then a rename over the old one.
-
-    ``state`` holds the trainer's own state (at least ``step``). If anything fails midway, the
-    previous checkpoint stays intact.
-    """
-    final = checkpoint_dir(run_dir)
-    temporary = os.path.join(run_dir, f".checkpoint-tmp-{os.getpid()}")
-    shutil.rmtree(temporary, ignore_errors=True)
-    try:
-        os.makedirs(temporary)
-        policy.save_pretrained(os.path.join(temporary, "model"))  # the adapter only, for LoRA
-        torch.save(
-            {
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "rng": rng_states(),
-                **state,
-            },
-            os.path.join(temporary, "trainer_state.pt"),
-        )
-        with open(os.path.join(temporary, "trainer_state.json"), "w") as handle:
-            json.dump({"step": state["step"]}, handle)
-        previous = final + ".old"
-        shutil.rmtree(previous, ignore_errors=True)
-        if os.path.exists(final):
-            os.replace(final, previous)
-        os.replace(temporary, final)
-        shutil.rmtree(previous, ignore_errors=True)
-    except OSError as error:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise SystemExit(
-            f"error: checkpoint write failed ({error}); "
-            f"the previous checkpoint in {final} is intact"
-        ) from None
-    return final
-
-
-def load_checkpoint(run_dir: str, policy, optimizer, scheduler) -> dict:
-    """Restore weights (adapter or full), optimizer, scheduler and RNG; return the saved state."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    final = checkpoint_dir(run_dir)
-    if not has_checkpoint(run_dir):
-        raise SystemExit(
-            f"error: --resume but no checkpoint in {final}; drop --resume to start fresh"
-        )
-    model_dir = os.path.join(final, "model")
-    if hasattr(policy, "peft_config"):
-        set_peft_model_state_dict(
-            policy, load_file(os.path.join(model_dir, "adapter_model.safetensors"))
-        )
-    else:
-        saved = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=next(policy.parameters()).dtype
-        )
-        policy.load_state_dict(saved.state_dict())
-    state = torch.load(os.path.join(final, "trainer_state.pt"), weights_only=False)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    set_rng_states(state["rng"])
-    return state
-
-
-def save_model_atomic(model, tokenizer, final: str) -> str:
-    """save_pretrained into a temporary directory, then a rename over ``final``."""
-    temporary = final + ".tmp"
-    shutil.rmtree(temporary, ignore_errors=True)
-    model.save_pretrained(temporary)
-    tokenizer.save_pretrained(temporary)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(temporary, final)
-    return final
-
-
-def restore_or_start(resume: bool, run_dir: str, state: tuple) -> int:
-    """The step to start from: the checkpoint's with --resume (weights, optimizer, scheduler, RNG,
-    sampler and guide states restored; metrics.jsonl and eval.jsonl cut back to it), else 0 with
-    fresh logs. ``state`` is (policy, optimizer, scheduler, prompt sampler, guide generator)."""
-    logs = [os.path.join(run_dir, name) for name in ("metrics.jsonl", "eval.jsonl")]
-    if not resume:
-        for path in logs:
-            if os.path.exists(path):
-                os.remove(path)
-        return 0
-    policy, optimizer, scheduler, sampler, guide_generator = state
-    saved = load_checkpoint(run_dir, policy, optimizer, scheduler)
-    sampler.load_state_dict(saved["sampler"])
-    guide_generator.set_state(saved["guide_generator"])
-    truncate_jsonl(logs[0], saved["step"])  # metrics of steps 0 .. step - 1
-    truncate_jsonl(logs[1], saved["step"] + 1)  # evaluations after 0 .. step updates
-    return saved["step"]
-
-
-def checkpoint_due(
-    step: int, start: int, total: int, save_every: int, stop_after: int
-) -> tuple[bool, bool]:
-    """(save now, stop now) after optimizer step ``step`` (0-based) of a run that began at
-    ``start``.
-
-    >>> checkpoint_due(step=1, start=0, total=10, save_every=5, stop_after=2)
-    (True, True)
-    """
-    stopping = stop_after > 0 and step + 1 - start >= stop_after and step + 1 < total
-    return (step + 1) % save_every == 0 or step + 1 == total or stopping, stopping
-
-
-def checkpoint_if_due(run_dir: str, step: int, start: int, config, state: tuple) -> bool:
-    """After optimizer step ``step``: save <run>/checkpoint every --save-every steps, after the
-    last and at --stop-after. ``state`` is (policy, optimizer, scheduler, prompt sampler, guide
-    generator). Returns True when --stop-after ends the run here."""
-    from tqdm import tqdm
-
-    policy, optimizer, scheduler, sampler, guide_generator = state
-    save, stop = checkpoint_due(step, start, config.steps, config.save_every, config.stop_after)
-    if save:
-        trainer_state = {
-            "step": step + 1,
-            "sampler": sampler.state_dict(),
-            "guide_generator": guide_generator.get_state(),
-        }
-        save_checkpoint(run_dir, policy, optimizer, scheduler, trainer_state)
-    if stop:
-        tqdm.write(f"stopped after step {step + 1} as asked; continue with --resume")
-    return stop

@@ -1,35 +1,124 @@
-"""runs.py: checkpoints are written atomically, and the metrics log is cut back on resume."""
+"""runs.py: the checkpoint is written atomically and restores a run exactly, the metrics log is
+cut back on resume, and the same records reach metrics.jsonl, TensorBoard and W&B (offline: no
+network)."""
 
+import importlib.util
 import json
 import os
+import random
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from machinery import models, runs
+from machinery.cli import UsageError
+from machinery.data import PromptSampler
 
 
-def test_checkpoint_write_is_atomic(tmp_path, tiny, monkeypatch):
-    model, _ = tiny
-    optimizer, scheduler = models.make_optimizer(model, 1e-3, 0.0, 10, 1)
-    state = {
-        "step": 1,
-        "sampler": {"epoch": 0, "position": 3},
-        "guide_generator": torch.Generator().get_state(),
-    }
-    runs.save_checkpoint(str(tmp_path), model, optimizer, scheduler, state)
+def run_state(full_finetune: bool = False) -> tuple:
+    """A tiny policy (LoRA or every weight trained), its AdamW and schedule, a prompt sampler and
+    a guide generator: what a checkpoint holds."""
+    import sage
+    from extras import demo
+
+    model = demo.build_tiny_model(demo.build_tiny_tokenizer(), max_position_embeddings=64)
+    torch.manual_seed(0)  # LoRA's A matrices
+    policy, _ = sage.make_policy(
+        model, full_finetune, lora_rank=4, lora_alpha=8, with_reference=False
+    )
+    optimizer, scheduler = models.make_optimizer(policy, 1e-2, 0.0, 10, 1)
+    return policy, optimizer, scheduler, PromptSampler(10, seed=0), torch.Generator()
+
+
+def train_step(state: tuple) -> list:
+    """One AdamW step on random tokens, then a draw from every RNG a step uses; returns the
+    loss, the next step's learning rate, the draws and the trained weights."""
+    policy, optimizer, scheduler, sampler, generator = state
+    ids = torch.randint(0, 64, (2, 8))
+    loss = policy(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+    draws = [random.random(), torch.rand(3), sampler.take(3), torch.rand(2, generator=generator)]
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    return [loss.detach(), scheduler.get_last_lr(), *draws, *trained]
+
+
+def same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b)
+    )
+
+
+@pytest.mark.parametrize("full_finetune", [False, True], ids=["lora", "full"])
+def test_a_restored_checkpoint_continues_exactly(tmp_path, full_finetune):
+    """The step after a checkpoint is the same, bit for bit, whether the run goes on or a fresh
+    process restores it: weights, AdamW's moments, the schedule, the RNG states, the sampler and
+    the guide's generator all come back."""
+    whole = run_state(full_finetune)
+    train_step(whole)
+    runs.save_checkpoint(str(tmp_path), 1, whole)
+    expected = train_step(whole)
+    resumed = run_state(full_finetune)
+    torch.manual_seed(1), random.seed(1)  # the RNGs are elsewhere, as in a new process
+    assert runs.restore_or_start(True, str(tmp_path), resumed) == 1
+    assert same(train_step(resumed), expected)
+    model = tmp_path / "checkpoint" / "model"  # what evaluate.py --adapter (or --model) reads
+    assert (model / ("config.json" if full_finetune else "adapter_config.json")).exists()
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    state = run_state()
+    runs.save_checkpoint(str(tmp_path), 1, state)
     with open(tmp_path / "checkpoint" / "trainer_state.json") as handle:
         assert json.load(handle)["step"] == 1
 
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(torch, "save", fail)
-    with pytest.raises(SystemExit, match="previous checkpoint .* is intact"):
-        runs.save_checkpoint(str(tmp_path), model, optimizer, scheduler, {**state, "step": 2})
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "save", fail)
+        with pytest.raises(SystemExit, match="previous checkpoint .* can still be resumed"):
+            runs.save_checkpoint(str(tmp_path), 2, state)
     with open(tmp_path / "checkpoint" / "trainer_state.json") as handle:
         assert json.load(handle)["step"] == 1
     assert sorted(os.listdir(tmp_path)) == ["checkpoint"]
+    assert not [name for name in os.listdir(tmp_path / "checkpoint") if name.startswith(".tmp-")]
+    assert runs.restore_or_start(True, str(tmp_path), run_state()) == 1  # the previous one
+
+
+# A process that checkpoints step 1, then is killed (SIGKILL) halfway through writing step 2's.
+KILLED_MID_SAVE = """
+import os, signal, sys
+import torch
+import test_runs
+from machinery import runs
+
+state = test_runs.run_state()
+test_runs.train_step(state)
+runs.save_checkpoint(sys.argv[1], 1, state)
+test_runs.train_step(state)
+
+def save_half(payload, handle):
+    handle.write(b"the first bytes of a checkpoint")
+    handle.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+torch.save = save_half
+runs.save_checkpoint(sys.argv[1], 2, state)
+"""
+
+
+def test_a_kill_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here])}
+    killed = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, str(tmp_path)], env=env)
+    assert killed.returncode == -signal.SIGKILL
+    assert runs.restore_or_start(True, str(tmp_path), run_state()) == 1
 
 
 def test_truncate_metrics_drops_steps_to_redo(tmp_path):
@@ -39,3 +128,123 @@ def test_truncate_metrics_drops_steps_to_redo(tmp_path):
     runs.truncate_jsonl(path, 3)
     with open(path) as handle:
         assert [json.loads(line)["step"] for line in handle] == [0, 1, 2]
+
+
+def test_report_to_names_are_checked(monkeypatch):
+    assert runs.parse_report_to("tensorboard, wandb") == ["jsonl", "tensorboard", "wandb"]
+    with pytest.raises(UsageError, match="unknown --report-to 'mlflow'"):
+        runs.parse_report_to("mlflow")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # wandb not installed
+    with pytest.raises(UsageError, match="^--report-to wandb needs the wandb package: pip install"):
+        runs.parse_report_to("wandb")
+
+
+def test_every_tracker_gets_the_same_keys(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    import sage
+
+    records = [
+        {"step": step, "reward": 0.5 + step / 10, "kl/ref_k3": 0.01 * step, "q/mean": 1.1}
+        for step in range(3)
+    ]
+    config = sage.Config(model="tiny", report_to="jsonl,tensorboard,wandb")
+    run = runs.RunLogger(config, str(tmp_path))
+    for record in records:
+        run.log(record, record["step"])
+    run.track({"eval/demo/pass@1": 0.25}, 3)
+    run.close()
+
+    with open(tmp_path / "metrics.jsonl") as handle:
+        assert [json.loads(line) for line in handle] == records
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {"reward", "kl/ref_k3", "q/mean", "eval/demo/pass@1"}
+    assert [round(event.value, 6) for event in events.Scalars("reward")] == [0.5, 0.6, 0.7]
+
+    # W&B offline: one run directory whose transaction log (protobuf, keys stored as plain bytes)
+    # holds every key; `wandb sync` would upload it.
+    offline = [name for name in os.listdir(tmp_path / "wandb") if name.startswith("offline-run-")]
+    assert len(offline) == 1
+    log = next(
+        name for name in os.listdir(tmp_path / "wandb" / offline[0]) if name.endswith(".wandb")
+    )
+    data = (tmp_path / "wandb" / offline[0] / log).read_bytes()
+    for key in ("reward", "kl/ref_k3", "q/mean", "eval/demo/pass@1"):
+        assert key.encode() in data, key
+
+
+def one_step(logger, timer, step=0):
+    """A step's record through ``logger`` (two rollouts, one phase each of sampling and update)."""
+    import sage
+
+    rollouts = sage.Rollouts([[1], [1]], [[2, 3], [4]], ["", ""], ["stop"] * 2, [[0.0]] * 2, [], [])
+    with timer("rollout"):
+        pass
+    with timer("update"):
+        pass
+    logger.log_step(
+        step, rollouts, rewards=torch.tensor([1.0, 0.0]), metrics={}, timer=timer, lr=0.1
+    )
+
+
+def test_a_cuda_steps_metrics_carry_the_trainers_peak_memory_and_a_cpu_steps_none(
+    tmp_path, monkeypatch, capsys
+):
+    """Each phase's peak allocated and reserved GPU memory (reset as the phase starts) less what
+    the sleeping engine keeps counted is in metrics.jsonl on CUDA, with one line when the
+    trainer's peak exceeds the plan's forecast and one at the end; on the CPU the record has no
+    memory/ keys and nothing is said. The engine's pool is simulated: 30 GB allocated (32
+    reserved) that torch's counters hold from its start on, asleep or awake."""
+    import sage
+
+    config = sage.Config(model="tiny", report_to="jsonl")
+    (tmp_path / "cpu").mkdir(), (tmp_path / "cuda").mkdir()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU half, forced
+    cpu_logger = runs.RunLogger(config, str(tmp_path / "cpu"))
+    one_step(cpu_logger, runs.PhaseTimer())
+    cpu_logger.close()
+    record = json.loads((tmp_path / "cpu" / "metrics.jsonl").read_text())
+    assert "time/update_s" in record and not [k for k in record if k.startswith("memory/")]
+    assert "[memory]" not in capsys.readouterr().out
+
+    resets, engine = [], 30e9
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    counters = {"allocated": 1e9, "reserved": 2e9}  # the trainer's, before the engine starts
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: counters["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: counters["reserved"])
+    with runs.CountedMemory() as engine_memory:  # the engine starts: its pool enters the counts
+        counters["allocated"] += engine
+        counters["reserved"] += engine + 2e9
+    assert (engine_memory.allocated, engine_memory.reserved) == (30e9, 32e9)
+    # allocated, reserved per phase (rollout, update), the engine's pool counted in: the first
+    # step's update holds 30 GB of the trainer's own (raw 60 GB), the second 41 GB (raw 71 GB)
+    trainer_peaks = [10e9, 12e9, 30e9, 33e9, 20e9, 22e9, 41e9, 44e9]
+    peaks = iter([peak + engine + 2e9 * (i % 2) for i, peak in enumerate(trainer_peaks)])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: resets.append(1))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: next(peaks))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: next(peaks))
+    logger = runs.RunLogger(config, str(tmp_path / "cuda"), forecast_gb=35.0)
+    one_step(logger, runs.PhaseTimer(engine=engine_memory), step=0)
+    assert "[memory]" not in capsys.readouterr().out  # 30 GB: within the forecast (raw: 60)
+    one_step(logger, runs.PhaseTimer(engine=engine_memory), step=1)
+    logger.close()
+    lines = (tmp_path / "cuda" / "metrics.jsonl").read_text().splitlines()
+    first, second = (json.loads(line) for line in lines)
+    assert {k: v for k, v in first.items() if k.startswith("memory/")} == {
+        "memory/rollout_peak_gb": 10.0,
+        "memory/rollout_peak_reserved_gb": 12.0,
+        "memory/update_peak_gb": 30.0,
+        "memory/update_peak_reserved_gb": 33.0,
+        "memory/engine_gb": 30.0,
+        "memory/engine_reserved_gb": 32.0,
+    }
+    assert second["memory/update_peak_gb"] == 41.0 and len(resets) == 4
+    said = capsys.readouterr().out.strip().splitlines()
+    assert said == [
+        "[memory] step 1: the trainer peaked at 41.0 GB allocated, above the plan's 35.0 GB",
+        "[memory] the run: the trainer peaked at 41.0 GB allocated, above the plan's 35.0 GB",
+    ]
