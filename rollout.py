@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from machinery import engine_checks, memory_plan, vllm_cpu
-from machinery.cli import UsageError
+from machinery import UsageError, engine_checks, memory_plan, vllm_cpu
 from machinery.engine_checks import (
     CheckError,
     check_prompts,

@@ -15,8 +15,7 @@ import os
 
 from tqdm import tqdm
 
-from machinery import runs
-from machinery.cli import UsageError
+from machinery import UsageError, runs
 
 TRACKERS = ("jsonl", "tensorboard", "wandb")
 
