@@ -26,7 +26,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -34,7 +34,7 @@ from tqdm import tqdm
 import guides
 import loss
 import rollout
-from machinery import cli, fast_logprobs, flag_checks, hub
+from machinery import cli, fast_logprobs, hub
 from machinery import results as files
 from machinery.data import DataError, resolve_benchmarks
 from machinery.runs import write_json_atomic
@@ -179,17 +179,18 @@ class EvalSampling:
 class EvalConfig:
     """pass@k during training (--eval-every), through the training engine."""
 
-    eval_every: int = 0
+    eval_every: int = field(default=0, metadata={"range": ">= 0"})
     """Evaluate pass@k before the first step, every N steps and after the last, through the
     training engine, one step's batch at a time (0: off); rows go to <run>/eval.jsonl."""
     eval_benchmarks: str = ""
     """Benchmarks of --eval-every: names (aime, amc23, math500-l5, ...) or local files with
     problem/answer fields; the demo: its held-out problems."""
-    eval_n: int = 8
+    eval_n: int = field(default=8, metadata={"range": ">= 1"})
     """Samples per problem of --eval-every (pass@k for k = 1, 2, 4, ..., n)."""
-    eval_temperature: float = 0.3  # the paper's evaluation sampling (EvalSampling)
+    # the paper's evaluation sampling (EvalSampling)
+    eval_temperature: float = field(default=0.3, metadata={"range": "> 0"})
     """Sampling temperature of --eval-every (the paper's evaluation config)."""
-    eval_top_p: float = 0.95
+    eval_top_p: float = field(default=0.95, metadata={"range": "in (0, 1]"})
     """Top-p of --eval-every (the paper's evaluation config)."""
     eval_solution_key: str = ""
     """Field of the --eval-benchmarks files that holds a reference solution y*: each evaluation
@@ -322,7 +323,7 @@ def evaluation_rows(engine, tokenizer, benchmarks: dict, n: int, seed: int, samp
 
 def training_benchmarks(config) -> dict:
     """What a sage.py run's --eval-every evaluates: {name: [Problem]} ({} when it is off;
-    flag_checks insists on benchmarks when it is on). With --eval-solution-key every benchmark
+    cli.check_config insists on benchmarks when it is on). With --eval-solution-key every benchmark
     must hold a reference solution in that field, the support probe's input: else one line naming
     the flag. Loaded before the run directory is written, so a bad file leaves nothing behind."""
     if config.eval.eval_every <= 0:
@@ -762,21 +763,21 @@ class EvalArgs:
     .jsonl/.parquet files."""
     out: str = "results.json"
     """Results file (written atomically; re-running skips finished seeds)."""
-    n: int = 256
+    n: int = field(default=256, metadata={"range": ">= 1"})
     """Samples per problem and seed (paper: 256)."""
     seeds: str = "0,1,2"
     """Comma-separated seeds: one engine call each (paper: three)."""
-    temperature: float = EvalSampling.temperature
+    temperature: float = field(default=EvalSampling.temperature, metadata={"range": ">= 0"})
     """Sampling temperature (the paper's evaluation config)."""
-    top_p: float = EvalSampling.top_p
+    top_p: float = field(default=EvalSampling.top_p, metadata={"range": "in (0, 1]"})
     """Nucleus sampling threshold."""
-    top_k: int = EvalSampling.top_k
+    top_k: int = field(default=EvalSampling.top_k, metadata={"range": ">= -1"})
     """Top-k (-1: off)."""
-    min_p: float = EvalSampling.min_p
+    min_p: float = field(default=EvalSampling.min_p, metadata={"range": "in [0, 1)"})
     """Min-p."""
-    max_tokens: int = EvalSampling.max_tokens
+    max_tokens: int = field(default=EvalSampling.max_tokens, metadata={"range": ">= 1"})
     """Max completion tokens."""
-    max_model_len: int = 2048
+    max_model_len: int = field(default=2048, metadata={"range": ">= 2"})
     """Engine context length, prompt + completion (paper: 2048)."""
     problem_key: str = "problem"
     """Column holding the problem, for local files."""
@@ -794,18 +795,19 @@ class EvalArgs:
     solution_format: str = "paper"
     """paper | prefix: y* is the solution in the paper's answer format and EOS, or the column's
     text as a completion prefix (log pi of that prefix)."""
-    limit: int | None = None
+    limit: int | None = field(default=None, metadata={"range": ">= 1"})
     """Evaluate only the first LIMIT problems of each benchmark."""
     backend: str = "vllm"
     """Rollout engine: vllm | hf (transformers generate, slow)."""
     dtype: str = "auto"
     """Engine dtype (auto, bfloat16, float32)."""
-    gpu_memory_utilization: float | None = None
+    gpu_memory_utilization: float | None = field(default=None, metadata={"range": "in (0, 1]"})
     """vLLM memory fraction (default: 0.9 on CUDA, the engine runs alone; on CPU the share of
     RAM for the KV cache, 0.05)."""
-    grade_timeout: float = 5.0  # machinery.task.GRADE_TIMEOUT_S (a test holds them equal)
+    # machinery.task.GRADE_TIMEOUT_S (a test holds them equal)
+    grade_timeout: float = field(default=5.0, metadata={"range": "> 0"})
     """Per-item grading timeout in seconds."""
-    grading_workers: int | None = None
+    grading_workers: int | None = field(default=None, metadata={"range": ">= 1"})
     """Grading processes (default: one per CPU core)."""
     save_completions: str | None = None
     """Directory for per-(benchmark, seed) JSONL samples (input of patterns and perplexity)."""
@@ -836,12 +838,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         kind, work, prog = EvalArgs, evaluate_and_report, "evaluate.py"
     try:
-        given, _ = cli.parse(kind, argv, prog, description=kind.__doc__)
+        args, _, _ = cli.parse_config(kind, argv, prog, description=kind.__doc__)
         if kind is EvalArgs:
-            if problem := flag_checks.check_eval_args(kind(**given)):
+            if problem := cli.check_eval_args(args):
                 raise EvalError(problem)  # before any model or benchmark loads
-            given["model"] = hub.resolve_model(given["model"])  # a short name -> org/name
-        work(kind(**given))
+            args.model = hub.resolve_model(args.model)  # a short name -> org/name
+        work(args)
     except errors as error:
         print(f"evaluate.py: error: {error}", file=sys.stderr)
         return 2

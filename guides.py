@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from machinery import cli
+
 GUIDES = ("none", "random", "token", "branch")
 NORMALIZATIONS = ("percentile", "rank", "sigmoid")
 
@@ -43,14 +45,14 @@ class GuideConfig:
     name: str = field(default="branch", metadata={"flag": "guide"})
     """branch (Eq. 11, the paper's main variant) | token (Eq. 10) | random (Eq. 9) | none
     (GRPO's anchor pi_ref)."""
-    q_min: float = 0.6
+    q_min: float = field(default=0.6, metadata={"range": "in (0, 1]"})
     """Guide clamp, lower (paper: 0.6)."""
-    q_max: float = 1.4
+    q_max: float = field(default=1.4, metadata={"range": ">= 1"})
     """Guide clamp, upper (paper: 1.4)."""
     # branch (Eq. 11)
-    tau: float = 1.2
+    tau: float = field(default=1.2, metadata={"range": ">= 0"})
     """Branch guide: entropy threshold in nats above which a position is amplified (paper: 1.2)."""
-    ratio: float = 0.3
+    ratio: float = field(default=0.3, metadata={"range": ">= 0"})
     """Branch guide: slope of q_t in the entropy excess H_t - tau (paper: 0.3)."""
     # random (Eq. 9)
     random_eps: tuple[float, float] = (0.1, 0.0)
@@ -76,11 +78,8 @@ class GuideConfig:
     def __post_init__(self):
         if self.name not in GUIDES:
             raise ValueError(f"unknown --guide {self.name!r}: choose one of {', '.join(GUIDES)}")
-        if not 0.0 < self.q_min <= 1.0 <= self.q_max:
-            raise ValueError(
-                f"--q-min {self.q_min} and --q-max {self.q_max}: the guide clamp must satisfy "
-                "0 < q_min <= 1 <= q_max (q = 1 means 'no change to the anchor')"
-            )
+        if (problem := cli.out_of_range(self)) is not None:  # the ranges in the fields' metadata
+            raise ValueError(problem)
         if self.token_normalization not in NORMALIZATIONS:
             raise ValueError(
                 f"unknown --token-normalization {self.token_normalization!r}: "

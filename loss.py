@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from machinery import fast_logprobs
+from machinery import cli, fast_logprobs
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "bnpo")
 KL_MODES = ("reverse", "forward", "none")
@@ -320,22 +320,22 @@ class LossConfig:
     """grpo | dr_grpo | rloo | bnpo (Beta-normalized): one advantage per completion."""
     aggregation: str = field(default="grpo", metadata={"flag": "loss-agg"})
     """grpo | batch_token_mean | dr_grpo | dapo: how per-token losses become one (``aggregate``)."""
-    eps_low: float = 0.2
+    eps_low: float = field(default=0.2, metadata={"range": "in [0, 1)"})
     """Lower clip of the ratio (paper: 0.2)."""
-    eps_high: float = 0.2
+    eps_high: float = field(default=0.2, metadata={"range": ">= 0"})
     """Upper clip of the ratio (paper: 0.2; DAPO: 0.28)."""
     kl: str = "reverse"
     """reverse | forward | none: the divergence from the anchor p~ = pi_ref * q."""
     kl_estimator: str = "k3"
     """k3 (paper) | k2 | ratio_k3 | k1_return (in the return: Eq. 4); docs/estimators.md."""
-    beta: float = 0.05
+    beta: float = field(default=0.05, metadata={"range": ">= 0"})
     """KL coefficient (paper: 0.05)."""
     distribution: str = field(default="full", metadata={"flag": "loss-distribution"})
     """full | min_p: what the policy's log-probs and the guide's H_t are computed over: pi_T's
     full softmax (the authors' code, TRL), or the sampler's min-p truncation (docs/min-p.md)."""
     reference_min_p: bool = False
     """Replay min-p on the reference too (off: its full softmax, as the authors' code)."""
-    tis_cap: float = 0.0
+    tis_cap: float = field(default=0.0, metadata={"range": ">= 0"})
     """Truncated importance sampling cap C on pi_old / pi_engine (0: off; 2 is usual)."""
     max_completion_length: int | None = field(default=None, metadata={"flag": None})
     """dr_grpo's constant divisor, the sampler's max_tokens; set by the trainer, not a flag."""
@@ -352,14 +352,8 @@ class LossConfig:
         for flag, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ValueError(f"unknown {flag} {value!r}: choose one of {', '.join(allowed)}")
-        if not (0.0 <= self.eps_low < 1.0 and self.eps_high >= 0.0):
-            raise ValueError(
-                "the clip range [1 - eps_low, 1 + eps_high] needs 0 <= eps_low < 1 and "
-                f"eps_high >= 0 (--eps-low, --eps-high); got {self.eps_low}, {self.eps_high}"
-            )
-        for flag, value in (("--beta", self.beta), ("--tis-cap", self.tis_cap)):
-            if not (math.isfinite(value) and value >= 0.0):
-                raise ValueError(f"{flag} must be finite and >= 0, got {value}")
+        if (problem := cli.out_of_range(self)) is not None:  # the ranges in the fields' metadata
+            raise ValueError(problem)
 
 
 @dataclass

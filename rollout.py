@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from machinery import memory_plan, vllm_backend
-from machinery.cli import UsageError
+from machinery import UsageError, memory_plan, vllm_backend
 from machinery.vllm_backend import CheckError, check_prompts, check_sampling, push_error_message
 
 # vLLM is imported where an engine starts: the hf backend runs where vLLM is not installed.

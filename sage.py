@@ -37,7 +37,7 @@ import loss
 import rollout
 from evaluate import EvalConfig
 from extras.flags import DynamicSamplingConfig, HintsConfig, SFTConfig
-from machinery import cli, flag_checks, hub, memory_plan, models, runs
+from machinery import cli, hub, memory_plan, models, runs
 from machinery.data import PromptSampler, load_rows, training_problems
 from machinery.task import build_prompt_ids, load_reward_function
 
@@ -78,7 +78,7 @@ class Config:
     """Field holding the problem text (DAPO-Math-17k-Processed: prompt)."""
     answer_key: str = "solution"
     """Field holding the reference answer (DAPO-Math-17k-Processed: solution)."""
-    max_train_samples: int = 2000
+    max_train_samples: int = field(default=2000, metadata={"range": ">= 0"})
     """Use the first N training problems (paper: 2,000)."""
     reward: str = ""
     """Empty: Math-Verify (section 5.1); else module:function or file.py:function, f(completions,
@@ -86,15 +86,15 @@ class Config:
     # ---- the RL step ----
     algo: str = "grpo"
     """Preset: grpo | dapo | bnpo | dr_grpo, flags for advantage, aggregation, clip, KL."""
-    steps: int = 1000
+    steps: int = field(default=1000, metadata={"range": ">= 1"})
     """RL steps, each one AdamW step per --ppo-epochs pass (paper: 1,000)."""
-    prompts_per_step: int = 8
+    prompts_per_step: int = field(default=8, metadata={"range": ">= 1"})
     """Prompts per RL step (paper: 8)."""
-    rollouts: int = 8
+    rollouts: int = field(default=8, metadata={"range": ">= 2"})
     """Completions per prompt, the group size G (paper: 8)."""
-    micro_batch_size: int = 4
+    micro_batch_size: int = field(default=4, metadata={"range": ">= 1"})
     """Sequences per forward/backward, accumulated over the step (4 fits a 7B on 80 GB)."""
-    ppo_epochs: int = 1
+    ppo_epochs: int = field(default=1, metadata={"range": ">= 1"})
     """Passes over each step's rollouts, each ending in a clipped AdamW step (TRL's
     num_iterations; 1: on-policy, the ratio is 1). pi_old, pi_ref and q are held from before the
     first pass, so from the second the ratio moves and the clip acts. The learning-rate schedule
@@ -105,17 +105,17 @@ class Config:
     guide: guides.GuideConfig = field(default_factory=guides.GuideConfig)
     """The guide q and its knobs (guides.py)."""
     # ---- optimization (Table 8) ----
-    lr: float = 5e-6
+    lr: float = field(default=5e-6, metadata={"range": "> 0"})
     """AdamW learning rate (public config: 5e-6)."""
-    weight_decay: float = 0.01
+    weight_decay: float = field(default=0.01, metadata={"range": ">= 0"})
     """AdamW weight decay (paper: 0.01)."""
-    warmup_ratio: float = 0.1
+    warmup_ratio: float = field(default=0.1, metadata={"range": "in [0, 1)"})
     """Fraction of steps of linear warmup, then linear decay (paper: 0.1)."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = field(default=1.0, metadata={"range": "> 0"})
     """Gradient clipping norm."""
-    lora_rank: int = 8
+    lora_rank: int = field(default=8, metadata={"range": ">= 1"})
     """LoRA rank on attention and MLP projections (paper: 8)."""
-    lora_alpha: int = 16
+    lora_alpha: int = field(default=16, metadata={"range": "> 0"})
     """LoRA alpha."""
     full_finetune: bool = False
     """Train all weights, not LoRA (the reference is then a frozen copy; float32 on CUDA)."""
@@ -125,20 +125,20 @@ class Config:
     """Log-probs and entropies through machinery/fast_logprobs.py (the same numbers, no [B, C, V]
     float32 tensor); --no-fast-logprobs runs loss.token_logps_and_entropies, the definition."""
     # ---- sampling (section 5.1) ----
-    max_seq_len: int = 2048
+    max_seq_len: int = field(default=2048, metadata={"range": ">= 2"})
     """Prompt + completion tokens (paper: 2,048; R1-distill: 8,192)."""
-    max_prompt_len: int = 512
+    max_prompt_len: int = field(default=512, metadata={"range": ">= 1"})
     """Longer prompts are dropped; completions get --max-seq-len minus this."""
-    temperature: float = 1.0
+    temperature: float = field(default=1.0, metadata={"range": "> 0"})
     """Sampling temperature (paper: 1.0)."""
-    min_p: float = 0.01
+    min_p: float = field(default=0.01, metadata={"range": "in [0, 1)"})
     """Sampling min-p (paper: 0.01); the loss reads it with --loss-distribution min_p."""
-    top_p: float = 1.0
+    top_p: float = field(default=1.0, metadata={"range": "in (0, 1]"})
     """Sampling top-p (paper: 1.0)."""
-    top_k: int = -1
+    top_k: int = field(default=-1, metadata={"range": ">= -1"})
     """Sampling top-k (-1: off, paper)."""
     # ---- the run ----
-    seed: int = 3407
+    seed: int = field(default=3407, metadata={"range": ">= 0"})
     """Seed of everything (paper: 3407)."""
     out: str = "runs"
     """Directory of runs; this run writes to <out>/<name>."""
@@ -146,17 +146,17 @@ class Config:
     """Run name (default: <model>-<algo>-<guide>)."""
     resume: bool = False
     """Continue from <out>/<name>/checkpoint exactly where the run stopped."""
-    stop_after: int = 0
+    stop_after: int = field(default=0, metadata={"range": ">= 0"})
     """Stop after this many steps, checkpointed, for --resume later (0: run to the end)."""
     backend: str = "vllm"
     """Rollout engine: vllm | hf."""
-    gpu_memory_utilization: float = 0.0
+    gpu_memory_utilization: float = field(default=0.0, metadata={"range": "in [0, 1)"})
     """vLLM's share of the GPU (0: 0.3); on CPU, of the RAM for its KV cache (0: 0.05)."""
-    save_every: int = 50
+    save_every: int = field(default=50, metadata={"range": ">= 1"})
     """Checkpoint every N steps (and at the end)."""
     report_to: str = "jsonl"
     """Comma-separated: jsonl (always: metrics.jsonl), tensorboard, wandb (WANDB_MODE=offline)."""
-    zero_reward_warning: int = 20
+    zero_reward_warning: int = field(default=20, metadata={"range": ">= 1"})
     """Warn after this many consecutive steps whose rewards are all zero."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """pass@k during training (evaluate.py)."""
@@ -189,7 +189,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
         sections=EXTRAS,
     )
     config.extras = sections
-    flag_checks.check_config(config, presets=PRESETS, backends=rollout.BACKENDS, error=parser.error)
+    cli.check_config(config, presets=PRESETS, backends=rollout.BACKENDS, error=parser.error)
     return config
 
 
@@ -210,7 +210,7 @@ def start_run(config: Config) -> tuple[str, float | None]:
         raise SystemExit(0)
     model = os.path.basename(config.model.rstrip("/"))
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
-    flag_checks.check_run_dir(run_dir, config)
+    cli.check_run_dir(run_dir, config)
     # On CUDA a run that cannot fit ends here; one that fits gets its forecast peak (no plan on CPU)
     on_cuda = torch.cuda.is_available()
     forecast_gb = memory_plan.before_loading(config, needs_reference(config)) if on_cuda else None

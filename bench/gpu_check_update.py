@@ -43,7 +43,7 @@ import gpu_step  # noqa: E402  (bench/, the script's own directory)
 
 import sage  # noqa: E402
 from extras import memory_sim  # noqa: E402
-from machinery import flag_checks, memory_plan, models  # noqa: E402
+from machinery import cli, memory_plan, models  # noqa: E402
 
 DOCUMENTED_PLAN_GB = {256: 20.27}  # docs/gpu.md: the plan's update peak at 256 + 1,536 tokens
 TINY = gpu_step.SMALL  # the small shape bench/gpu_step.py measures
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--no-plan", action="store_true", help="skip the plan's simulation")
     args = parser.parse_args(argv)
-    if (problem := flag_checks.torch_build_problem()) is not None:
+    if (problem := cli.torch_build_problem()) is not None:
         raise SystemExit(f"error: {problem}")
     args.prompt_len = args.prompt_len or ([32] if args.tiny else [256, 512])
     args.completion_len = args.completion_len or (64 if args.tiny else 1536)

@@ -41,7 +41,7 @@ import guides  # noqa: E402
 import loss  # noqa: E402
 import sage  # noqa: E402
 from bench import common  # noqa: E402
-from machinery import flag_checks, memory_plan, models  # noqa: E402
+from machinery import cli, memory_plan, models  # noqa: E402
 
 QWEN25_MATH_7B = memory_plan.QWEN25_MATH_7B  # the shape a GPU node measures (--no-small)
 SMALL = dict(
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--repeats", type=int, default=2, help="measured steps after one warm-up step"
     )
     args = parser.parse_args(argv)
-    if (problem := flag_checks.torch_build_problem()) is not None:  # sage.py's refusal
+    if (problem := cli.torch_build_problem()) is not None:  # sage.py's refusal
         raise SystemExit(f"error: {problem}")
     paper = dict(prompts=8, rollouts=8, prompt_len=256, completion_len=1536)
     small = dict(prompts=2, rollouts=4, prompt_len=32, completion_len=64)

@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
     import sage
     from machinery import cli
 
-    parser, _ = cli.build_parser(
+    parser = cli.build_parser(
         DemoConfig,
         prog="python -m extras.demo",
         description=main.__doc__.split(".")[0],

@@ -5,7 +5,7 @@ flag is parsed and checked before anything loads; the extras' code (extras/sft.p
 extras/dynamic_sampling.py, extras/hints.py) is imported only where its flag is on.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -24,21 +24,21 @@ class SFTConfig:
     """SFT field with the worked solution (placed between the working-out markers)."""
     sft_answer_key: str = "expected_answer"
     """SFT field with the final answer (placed between <SOLUTION> markers)."""
-    sft_max_samples: int = 500
+    sft_max_samples: int = field(default=500, metadata={"range": ">= 0"})
     """Use the first N SFT examples that fit (0: all; App. E.2 uses a small subset)."""
-    sft_max_tokens: int = 0
+    sft_max_tokens: int = field(default=0, metadata={"range": ">= 0"})
     """Drop SFT examples longer than this, prompt + completion + EOS (0: half of --max-seq-len,
     App. E.2)."""
     sft_only: bool = False
     """Stop after the SFT stage (its model, <run>/sft_model, is the base of every RL run of
     Table 1)."""
-    sft_epochs: int = 2
+    sft_epochs: int = field(default=2, metadata={"range": ">= 1"})
     """SFT epochs (paper: 2)."""
-    sft_lr: float = 2e-4
+    sft_lr: float = field(default=2e-4, metadata={"range": "> 0"})
     """SFT learning rate (paper: 2e-4)."""
-    sft_batch_size: int = 1
+    sft_batch_size: int = field(default=1, metadata={"range": ">= 1"})
     """SFT batch size (paper: 1)."""
-    sft_warmup_steps: int = 5
+    sft_warmup_steps: int = field(default=5, metadata={"range": ">= 0"})
     """SFT linear warmup steps (paper: 5)."""
 
 
@@ -48,9 +48,9 @@ class DynamicSamplingConfig:
 
     dynamic_sampling: bool = False
     """DAPO: drop all-equal-reward groups and refill (on in the dapo preset)."""
-    max_refill_rounds: int = 4
+    max_refill_rounds: int = field(default=4, metadata={"range": ">= 0"})
     """DAPO dynamic sampling: extra rollout rounds at most before training on what is left."""
-    overlong_buffer: int = 0
+    overlong_buffer: int = field(default=0, metadata={"range": ">= 0"})
     """DAPO overlong shaping L_cache in tokens (0: off)."""
 
 

@@ -39,7 +39,7 @@ import math
 import os
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import trl
@@ -566,7 +566,7 @@ class TRLArgs:
     """Completions per prompt, the group size G."""
     micro_batch_size: int = sage.Config.micro_batch_size
     """Completions per forward/backward on each process."""
-    num_iterations: int = 1
+    num_iterations: int = field(default=1, metadata={"range": ">= 1"})
     """TRL's mu: optimizer steps per generated batch (1: on-policy; > 1 computes old log-probs)."""
     max_seq_len: int = sage.Config.max_seq_len
     """Prompt + completion tokens."""
@@ -588,13 +588,13 @@ class TRLArgs:
     """colocate (an engine in every training process) | server (trl vllm-serve on other GPUs)."""
     vllm_server_host: str = "0.0.0.0"
     """Server mode: host of the vLLM server."""
-    vllm_server_port: int = 8000
+    vllm_server_port: int = field(default=8000, metadata={"range": "in [1, 65535]"})
     """Server mode: port of the vLLM server."""
     vllm_sleep: bool = True
     """Colocate mode: the engine sleeps during the update (as sage.py's does)."""
-    vllm_tensor_parallel_size: int = 1
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"range": ">= 1"})
     """Colocate mode: GPUs per engine."""
-    gpu_memory_utilization: float = 0.3
+    gpu_memory_utilization: float = field(default=0.3, metadata={"range": "in (0, 1]"})
     """Colocate mode: vLLM's share of each GPU."""
     seed: int = sage.Config.seed
     """Seed."""
@@ -790,12 +790,20 @@ class MetricsFile(TrainerCallback):
 def check_args(args: TRLArgs, parser) -> None:
     """Every flag before anything loads (one line, exit 2): sage.py's ranges for the flags they
     share, paths, the reward's import, and a --full-finetune that cannot fit, as sage.py does."""
-    from machinery import flag_checks, models
+    from machinery import models
 
-    sage_rules = {flag: rule for flag, _, rule in flag_checks.numeric_rules(sage.Config())}
-    if (problem := flag_checks.check_trl_args(args, sage_rules)) is not None:
+    for problem in (
+        cli.out_of_range(args, rules=cli.ranges(sage.Config)),  # sage.py's, for the shared flags
+        cli.missing_path("--model", args.model, cli.MODEL),
+        cli.missing_path("--dataset", args.dataset, cli.DATA),
+    ):
+        if problem is not None:
+            parser.error(problem)
+    if args.max_prompt_len >= args.max_seq_len:
+        parser.error("--max-prompt-len must be below --max-seq-len")
+    if (problem := cli.torch_build_problem()) is not None:
         parser.error(problem)
-    flag_checks.check_reward(args.reward, parser.error)
+    cli.check_reward(args.reward, parser.error)
     if args.full_finetune:
         anchored = args.kl != "none" and args.beta > 0
         try:
@@ -805,10 +813,9 @@ def check_args(args: TRLArgs, parser) -> None:
 
 
 def main(argv: list[str] | None = None) -> SageGRPOTrainer:
-    given, parser = cli.parse(
+    args, _, parser = cli.parse_config(
         TRLArgs, argv, prog="python -m extras.trl_sage", description=__doc__.split("\n")[0]
     )
-    args = TRLArgs(**given)
     check_args(args, parser)
     # The launcher (accelerate, torchrun, deepspeed) says how many processes share a step, and the
     # accumulation steps follow from it before any GRPOConfig exists. (A PartialState() made here

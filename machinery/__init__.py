@@ -4,3 +4,9 @@ the command line, vLLM-on-CPU handling, the fast log-prob kernel, the memory pla
 engine's share of the GPU), evaluate.py's results files, the weight push and input checks. It
 imports no chapter: a chapter passes it what it needs.
 """
+
+
+class UsageError(ValueError):
+    """Input a command cannot use (data, a reward, a model, a tracker); the message names the
+    problem and the fix, and ``cli.run`` prints it as one line. (It lives here, below every
+    module, so that cli.py can check flags with the modules that raise it.)"""

@@ -1,7 +1,8 @@
-"""Command lines from typed dataclasses: a flag per field, its help the docstring under the field.
+"""Command lines from typed dataclasses, and the checks that run before anything loads.
 
-sage.py's ``Config`` and evaluate.py's argument classes are plain dataclasses whose fields carry
-a docstring (the cleanrl style). ``parse_config`` turns one into an argparse command line:
+sage.py's ``Config``, evaluate.py's and the extras' argument classes are plain dataclasses whose
+fields carry a docstring (the cleanrl style). ``parse_config`` turns one into an argparse command
+line (docs/implementation.md says why argparse, not HfArgumentParser or tyro):
 
 * ``--some-field`` of the field's type, ``--flag / --no-flag`` for booleans, positional arguments
   for fields marked ``positional``, and the docstring (with the default) as the help;
@@ -9,10 +10,13 @@ a docstring (the cleanrl style). ``parse_config`` turns one into an argparse com
   dataclass's fields as flags of their own, so each chapter keeps its knobs beside its code;
 * ``metadata={"flag": "loss-agg"}`` renames a field's flag, ``{"flag": None}`` keeps it off the
   command line (a value the program sets, not the user);
+* ``metadata={"range": ">= 1"}`` (or "> 0", "in [0, 1)", ...) is the field's range, checked by
+  ``out_of_range`` on every instance the command line builds;
 * ``sections`` adds the knobs of optional features, returned beside the main instance.
 
-``parse`` returns only the values given on the command line. Bad input ends in argparse's usage
-and one line, ``prog: error: ...``.
+Bad input ends in argparse's usage and one line, ``prog: error: ...``, naming the flag and the
+fix; then ``check_config`` refuses the combinations that cannot run, missing local paths, a reward
+that does not import and a torch that cannot use this machine's GPU.
 """
 
 from __future__ import annotations
@@ -20,10 +24,17 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import glob
 import inspect
+import math
+import os
 import sys
 import typing
 from collections.abc import Sequence
+
+from machinery import UsageError
+from machinery.data import LOCAL_FORMATS
+from machinery.task import SOLUTION_FORMATS, RewardError, load_reward_function
 
 SIMPLE_TYPES = (str, int, float, bool, list)
 
@@ -47,6 +58,12 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
+def flag_of(item: dataclasses.Field) -> str | None:
+    """A field's flag without its dashes ("loss-agg"), or None for a field that is no flag."""
+    flag = item.metadata.get("flag", item.name)
+    return flag and flag.replace("_", "-")
+
+
 def _argument_type(annotation):
     """str, int, float, bool or list from ``int`` or ``float | None``; a dataclass as it is;
     else None."""
@@ -59,55 +76,43 @@ def _argument_type(annotation):
     return base if base in SIMPLE_TYPES else None
 
 
-def _add_flags(parser, cls, dests: dict) -> None:
-    """Add a flag per field of ``cls`` (recursing into dataclass fields); ``dests`` maps each
-    argparse destination to its (dataclass, field name) for building the instances back."""
+def _add_flags(parser, cls, nested: bool) -> None:
+    """A flag per field of ``cls``, the fields of a nested dataclass in a group of their own."""
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
-    group = parser.add_argument_group(inspect.getdoc(cls).splitlines()[0]) if dests else parser
+    group = parser.add_argument_group(inspect.getdoc(cls).splitlines()[0]) if nested else parser
     for item in dataclasses.fields(cls):
-        kind, flag = _argument_type(hints[item.name]), item.metadata.get("flag", item.name)
+        kind, flag = _argument_type(hints[item.name]), flag_of(item)
         if dataclasses.is_dataclass(kind):
-            _add_flags(parser, kind, dests)
+            _add_flags(parser, kind, nested=True)
             continue
         if kind is None or flag is None:
             continue
-        dest = flag.replace("-", "_")
-        dests[dest] = (cls, item.name)
-        has_default = (
-            item.default is not dataclasses.MISSING
-            or item.default_factory is not dataclasses.MISSING
-        )
-        shown = f" (default: {item.default!r})" if item.default is not dataclasses.MISSING else ""
+        has_default = item.default is not dataclasses.MISSING
+        shown = f" (default: {item.default!r})" if has_default else ""
         help_text = docs.get(item.name, "") + shown
         if item.metadata.get("positional"):
-            group.add_argument(dest, nargs="+", help=help_text)
+            group.add_argument(item.name, nargs="+", help=help_text)
         elif kind is bool:
-            group.add_argument(
-                "--" + flag.replace("_", "-"),
-                dest=dest,
-                action=argparse.BooleanOptionalAction,
-                help=help_text,
-            )
+            group.add_argument("--" + flag, action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            group.add_argument(
-                "--" + flag.replace("_", "-"),
-                dest=dest,
-                type=kind,
-                help=help_text,
-                required=not has_default,
-            )
+            required = not has_default and item.default_factory is dataclasses.MISSING
+            group.add_argument("--" + flag, type=kind, required=required, help=help_text)
 
 
-def _build(cls, given: dict, dests: dict):
-    """An instance of ``cls`` from the parsed values, nested dataclasses built the same way."""
+def _build(cls, given: dict):
+    """An instance of ``cls`` from the parsed values (argparse's names: the flag's, "-" read as
+    "_"), nested dataclasses built the same way; a value out of its range raises ValueError."""
     hints, values = typing.get_type_hints(cls), {}
-    by_field = {(owner, name): dest for dest, (owner, name) in dests.items()}
     for item in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(_argument_type(hints[item.name])):
-            values[item.name] = _build(hints[item.name], given, dests)
-        elif by_field.get((cls, item.name)) in given:
-            values[item.name] = given[by_field[(cls, item.name)]]
-    return cls(**values)
+        name = (flag_of(item) or "").replace("-", "_")
+        if dataclasses.is_dataclass(hints[item.name]):
+            values[item.name] = _build(hints[item.name], given)
+        elif name in given:
+            values[item.name] = given[name]
+    instance = cls(**values)
+    if (problem := out_of_range(instance)) is not None:
+        raise ValueError(problem)
+    return instance
 
 
 def build_parser(
@@ -116,25 +121,16 @@ def build_parser(
     description: str = "",
     epilog: str | None = None,
     sections: dict[str, type] | None = None,
-) -> tuple[argparse.ArgumentParser, dict]:
+) -> argparse.ArgumentParser:
     """An argparse parser whose options are the fields of ``cls`` and of ``sections`` (defaults
-    suppressed), and the map from each option's destination to its field."""
+    suppressed: it returns only the values given)."""
     parser = argparse.ArgumentParser(
         prog=prog, description=description, epilog=epilog, argument_default=argparse.SUPPRESS
     )
-    dests: dict = {}
-    _add_flags(parser, cls, dests)
+    _add_flags(parser, cls, nested=False)
     for section in (sections or {}).values():
-        _add_flags(parser, section, dests)
-    return parser, dests
-
-
-def parse(
-    cls, argv: Sequence[str] | None, prog: str, description: str = "", epilog: str | None = None
-) -> tuple[dict, argparse.ArgumentParser]:
-    """The values given on the command line (only those), by field name, and the parser."""
-    parser, _ = build_parser(cls, prog, description, epilog)
-    return vars(parser.parse_args(None if argv is None else list(argv))), parser
+        _add_flags(parser, section, nested=True)
+    return parser
 
 
 def parse_config(
@@ -151,11 +147,11 @@ def parse_config(
     >>> parse_config(rollout.SamplingConfig, ["--n", "4", "--min-p", "0.1"], prog="demo")[0].n
     4
     """
-    parser, dests = build_parser(cls, prog, description, epilog, sections)
+    parser = build_parser(cls, prog, description, epilog, sections)
     given = vars(parser.parse_args(None if argv is None else list(argv)))
-    try:  # a dataclass that checks its own values raises ValueError: one line, as argparse's own
-        built = {name: _build(section, given, dests) for name, section in (sections or {}).items()}
-        return _build(cls, given, dests), built, parser
+    try:  # a value out of range, or a dataclass's own check: one line, as argparse's own
+        built = {name: _build(section, given) for name, section in (sections or {}).items()}
+        return _build(cls, given), built, parser
     except ValueError as error:
         parser.error(str(error))
 
@@ -165,9 +161,60 @@ def positional(**kwargs):
     return dataclasses.field(default_factory=list, metadata={"positional": True}, **kwargs)
 
 
-class UsageError(ValueError):
-    """Input a command cannot use (data, a reward, a tracker); the message names the problem and
-    the fix."""
+# ---- Ranges: declared on the fields, checked here ---------------------------------------------
+
+
+def in_range(value: float, rule: str) -> bool:
+    """Whether a finite ``value`` satisfies ``rule`` ("> 0", ">= 1", "in [0, 1)", ...).
+
+    >>> in_range(0.0, "in [0, 1)"), in_range(1.0, "in [0, 1)"), in_range(-1, ">= -1")
+    (True, False, True)
+    """
+    if rule.startswith("in "):
+        low, high = (float(bound) for bound in rule[4:-1].split(","))
+        above = value >= low if rule[3] == "[" else value > low
+        below = value <= high if rule[-1] == "]" else value < high
+        return above and below
+    operator, bound = rule.split()
+    return value > float(bound) if operator == ">" else value >= float(bound)
+
+
+def out_of_range(instance, rules: dict[str, str] | None = None) -> str | None:
+    """The one-line complaint about the first field of ``instance`` (not the nested dataclasses)
+    out of its range: its metadata's, else ``rules``' for its flag; None (unset) passes.
+
+    >>> import rollout
+    >>> out_of_range(rollout.SamplingConfig(), rules={"n": ">= 10"})
+    '--n 8: must be a finite number >= 10'
+    """
+    for item in dataclasses.fields(instance):
+        flag, value = flag_of(item), getattr(instance, item.name)
+        rule = item.metadata.get("range") or (rules or {}).get(flag)
+        if rule is not None and value is not None:
+            if not math.isfinite(value) or not in_range(value, rule):
+                return f"--{flag} {value}: must be a finite number {rule}"
+    return None
+
+
+def ranges(*classes) -> dict[str, str]:
+    """{flag: rule} of every field with a range, nested dataclasses included.
+
+    >>> import loss
+    >>> ranges(loss.LossConfig)["eps-low"]
+    'in [0, 1)'
+    """
+    found = {}
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        for item in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(kind := hints[item.name]):
+                found.update(ranges(kind))
+            elif "range" in item.metadata:
+                found[flag_of(item)] = item.metadata["range"]
+    return found
+
+
+# ---- One line for bad input, and the --algo presets ------------------------------------------
 
 
 def run(main) -> None:
@@ -213,3 +260,183 @@ def flag_value(argv: list[str], flag: str, default: str) -> str:
         elif item.startswith(flag + "="):
             value = item.split("=", 1)[1]
     return value
+
+
+# ---- What a flag's value names: local files, the reward, this machine's torch ------------------
+
+
+def looks_local(path: str) -> bool:
+    """A path meant for this machine rather than a hub name ("org/name").
+
+    >>> looks_local("Qwen/Qwen2.5-Math-7B"), looks_local("./runs/sft_model"), looks_local("x.jsonl")
+    (False, True, True)
+    """
+    local_start = path.startswith(("/", ".", "~")) or path.count("/") > 1
+    return local_start or os.path.splitext(path)[1].lower() in LOCAL_FORMATS or path.endswith(".py")
+
+
+def local_files(names: str) -> list[str]:
+    """The local data files among comma-separated benchmark names.
+
+    >>> local_files("aime, held.jsonl")
+    ['held.jsonl']
+    """
+    entries = [name.strip() for name in names.split(",")]
+    return [name for name in entries if os.path.splitext(name)[1].lower() in LOCAL_FORMATS]
+
+
+def missing_path(flag: str, path: str, what: str) -> str | None:
+    """The one line for a local ``path`` that does not exist (a hub name is checked when it
+    loads), else None."""
+    if path and looks_local(path) and not os.path.exists(os.path.expanduser(path)):
+        return f"{flag} {path}: no such file or directory; pass {what}"
+    return None
+
+
+MODEL, DATA = "a local model directory or a hub name", "a local data file or a hub dataset"
+
+
+def check_config(config, presets: dict, backends: Sequence[str], error) -> None:
+    """Call ``error(message)`` for the first setting of ``config`` (a ``sage.Config``, its ranges
+    checked as it was built) that cannot run; ``presets`` are the --algo names, ``backends`` the
+    --backend ones."""
+    guide, kl, evaluation = config.guide.name, config.loss.kl, config.eval
+    sft, refill = config.extras.get("sft"), config.extras.get("dynamic_sampling")
+    budget = config.max_seq_len - config.max_prompt_len
+    if config.algo not in presets:
+        error(f"unknown --algo {config.algo!r}: choose one of {', '.join(presets)}")
+    if not config.model:
+        error(
+            "--model is required: a hub name or a local model directory "
+            "(for the CPU demo run `make demo`)"
+        )
+    if config.backend not in backends:
+        error(f"unknown --backend {config.backend!r}: choose one of {', '.join(backends)}")
+    if budget <= 0:
+        error("--max-prompt-len must be below --max-seq-len")
+    if guide != "none" and (kl == "none" or config.loss.beta == 0):
+        error(f"--guide {guide} acts only through the KL anchor: use --kl reverse with --beta > 0")
+    if config.loss.kl_estimator == "k1_return" and kl != "reverse":
+        error("--kl-estimator k1_return needs --kl reverse")
+    if sft is not None and sft.sft_only and not sft.sft_dataset:
+        error("--sft-only needs --sft-dataset")
+    if evaluation.eval_every > 0 and not evaluation.eval_benchmarks:
+        error(
+            "--eval-every needs --eval-benchmarks (names such as aime, or local .jsonl files with "
+            "problem and answer fields)"
+        )
+    if evaluation.eval_solution_format not in SOLUTION_FORMATS:
+        error(
+            f"unknown --eval-solution-format {evaluation.eval_solution_format!r}: choose one of "
+            f"{', '.join(SOLUTION_FORMATS)}"
+        )
+    if evaluation.eval_solution_key and not (config.top_p == 1.0 and config.top_k <= 0):
+        error(
+            "--eval-solution-key: the support probe replays the sampler's temperature and min-p, "
+            "not top-p or top-k; train with --top-p 1.0 --top-k -1 (the paper's) to probe it"
+        )
+    if refill is not None and refill.overlong_buffer >= budget:
+        error(
+            f"--overlong-buffer must be below the completion budget (--max-seq-len minus "
+            f"--max-prompt-len = {budget})"
+        )
+    paths = [("--model", config.model, MODEL), ("--dataset", config.dataset, DATA)]
+    paths += [("--sft-dataset", sft.sft_dataset, DATA)] if sft is not None else []
+    for name in local_files(evaluation.eval_benchmarks):
+        paths.append(("--eval-benchmarks", name, "benchmark names or local files"))
+    for path in paths:
+        if (problem := missing_path(*path)) is not None:
+            error(problem)
+    check_reward(config.reward, error)
+    check_device(error)
+    if (problem := torch_build_problem()) is not None:
+        error(problem)
+
+
+def check_eval_args(args) -> str | None:
+    """evaluate.py's flags (an ``EvalArgs``, its ranges checked as it was built) that cannot run,
+    then the torch build: one line, else None."""
+    seeds = [seed.strip() for seed in str(args.seeds).split(",") if seed.strip()]
+    if not all(seed.isdigit() for seed in seeds):
+        return f"--seeds {args.seeds}: write comma-separated integers >= 0 such as 0,1,2"
+    if args.solution_format not in SOLUTION_FORMATS:
+        choices = ", ".join(SOLUTION_FORMATS)
+        return f"unknown --solution-format {args.solution_format!r}: choose one of {choices}"
+    if args.solution_key and not (args.top_p == 1.0 and args.top_k <= 0):
+        return (
+            f"--solution-key with --top-p {args.top_p} --top-k {args.top_k}: the support probe "
+            "replays temperature and min-p, not top-p or top-k; pass --top-p 1.0 --top-k -1 so "
+            "that it measures the distribution the sampler draws from"
+        )
+    paths = [("--model", args.model, MODEL), ("--adapter", args.adapter or "", "a peft adapter")]
+    for name in local_files(args.benchmarks):
+        paths.append(("--benchmarks", name, "benchmark names or local files"))
+    missing = (missing_path(*path) for path in paths)
+    return next(filter(None, missing), None) or torch_build_problem()
+
+
+def nvidia_gpu_visible() -> bool:
+    """An NVIDIA GPU's device file is there (its driver is loaded), unless CUDA_VISIBLE_DEVICES
+    hides every GPU on purpose."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def torch_build_problem() -> str | None:
+    """A CPU build of torch on a machine with an NVIDIA GPU (a .venv made on a CPU login node)
+    would train or sample a 7B on the CPU in float32 without a word: the one line that refuses
+    it, else None. sage.py, evaluate.py, extras/trl_sage.py and bench/gpu_step.py all ask here."""
+    import torch
+
+    if torch.version.cuda is None and nvidia_gpu_visible():
+        return (
+            f"torch {torch.__version__} is a CPU build but this machine has an NVIDIA GPU (the "
+            "work would run on the CPU in float32): run `make clean install` on this node"
+        )
+    return None
+
+
+def check_device(error) -> None:
+    """A CUDA build of torch that sees no GPU (a driver too old for it, say) would train a 7B on
+    the CPU without a word: stop instead (CUDA_VISIBLE_DEVICES="" hides the GPUs on purpose)."""
+    import torch
+
+    if torch.version.cuda and not torch.cuda.is_available():
+        if os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+            error(
+                f"torch {torch.__version__} is a CUDA build but sees no GPU: vLLM 0.32's CUDA 13 "
+                "build needs NVIDIA driver >= 580 (see nvidia-smi); to run on the CPU, set "
+                'CUDA_VISIBLE_DEVICES=""'
+            )
+
+
+def check_reward(spec: str, error) -> None:
+    """Import --reward now (its module, its signature), so a typo costs no model load."""
+    try:
+        load_reward_function(spec)
+    except RewardError as problem:
+        error(str(problem))
+
+
+def check_run_dir(run_dir: str, config) -> None:
+    """Before anything loads, and before the memory plan (these are cheaper and say more): a
+    checkpoint is continued only with --resume, --resume needs one, and the weights of a
+    --full-finetune model must fit the device."""
+    from machinery import models, runs
+
+    if not config.resume and os.path.exists(runs.checkpoint_dir(run_dir)):
+        raise SystemExit(
+            f"error: {run_dir} already holds a checkpoint; pass --resume to continue it or "
+            "--name for a new run"
+        )
+    if config.resume and not runs.has_checkpoint(run_dir):
+        raise SystemExit(
+            f"error: --resume but no checkpoint in {runs.checkpoint_dir(run_dir)}; drop --resume "
+            "to start fresh"
+        )
+    if config.full_finetune:
+        anchored = config.loss.kl != "none" and config.loss.beta > 0
+        models.check_full_finetune_fits(
+            config.model, with_reference=anchored, with_engine=config.backend == "vllm"
+        )

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from machinery.cli import UsageError
+from machinery import UsageError
 from machinery.task import GRADERS, build_prompt_ids, sft_completion
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

@@ -15,7 +15,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from machinery.cli import UsageError
+from machinery import UsageError
 from machinery.data import first_line
 from machinery.vllm_backend import looks_like_hub_id
 

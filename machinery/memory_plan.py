@@ -55,7 +55,7 @@ class PlanConfig:
     plan_memory: bool = False
     """Print the run's GPU memory forecast from the model's config.json (no weights load) and
     one JSON line, then exit."""
-    gpu_gb: float = 0.0
+    gpu_gb: float = dataclasses.field(default=0.0, metadata={"range": ">= 0"})
     """The card --plan-memory judges, in GB (24, 40, 48, 80, 141; 0: this GPU, else 80)."""
 
 

@@ -26,7 +26,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from machinery.cli import UsageError
+from machinery import UsageError
 
 # The environment of a stage run as a subprocess (extras/compare.py, bench/): vLLM in-process,
 # no hub, quiet tokenizers, OpenMP threads that sleep after ~1 ms of spinning (docs/history.md).

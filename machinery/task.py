@@ -32,7 +32,7 @@ import re
 import threading
 from collections.abc import Callable, Sequence
 
-from machinery.cli import UsageError
+from machinery import UsageError
 from machinery.grading_pool import DEFAULT_TIMEOUT_S as GRADE_TIMEOUT_S
 from machinery.grading_pool import GradingPool
 

@@ -1,6 +1,6 @@
 """Every bad flag of sage.py is stopped before anything loads: one line naming the flag, exit 2,
-no run directory. The sweep takes every numeric flag from the checks' own table, so a flag added
-there is swept too; the subprocess cases are the ones a user types."""
+no run directory. The sweep takes every numeric flag from the ranges in the fields' metadata, so
+a flag given a range is swept too; the subprocess cases are the ones a user types."""
 
 import dataclasses
 import os
@@ -11,21 +11,22 @@ import sys
 import pytest
 
 import sage
-from machinery import flag_checks
+from machinery import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def numeric_flags():
-    config = sage.parse_config(["--model", "m"])
-    return [(flag, rule) for flag, _, rule in flag_checks.numeric_rules(config)]
+    return [
+        ("--" + flag, rule) for flag, rule in cli.ranges(sage.Config, *sage.EXTRAS.values()).items()
+    ]
 
 
 def bad_values(rule):
     """nan and inf always; a negative number unless the rule allows one; zero where it is out."""
     values = ["nan", "inf"]
     for value in ("-5", "0"):
-        if not flag_checks.in_range(float(value), rule):
+        if not cli.in_range(float(value), rule):
             values.append(value)
     return values
 
@@ -164,7 +165,7 @@ def test_evaluate_refuses_a_probe_that_would_not_measure_the_sampler(argv, messa
 def test_a_cpu_torch_beside_an_nvidia_gpu_is_refused_by_every_entry_point(
     tmp_path, monkeypatch, capsys
 ):
-    """One guard (flag_checks.torch_build_problem), one line from each command that would run a
+    """One guard (cli.torch_build_problem), one line from each command that would run a
     model on the GPU: sage.py, evaluate.py, extras/trl_sage.py and bench/gpu_step.py."""
     import torch
     from test_bench import bench_script
@@ -173,9 +174,9 @@ def test_a_cpu_torch_beside_an_nvidia_gpu_is_refused_by_every_entry_point(
     from extras import trl_sage
 
     monkeypatch.setattr(torch.version, "cuda", None)
-    monkeypatch.setattr(flag_checks, "nvidia_gpu_visible", lambda: True)
+    monkeypatch.setattr(cli, "nvidia_gpu_visible", lambda: True)
     refusal = r"CPU build but this machine has an NVIDIA GPU .*make clean install"
-    assert re.search(refusal, flag_checks.torch_build_problem())
+    assert re.search(refusal, cli.torch_build_problem())
     out = ["--out", str(tmp_path / "out")]
     for run in (
         lambda: sage.main(["--model", "m", *out]),
@@ -189,10 +190,10 @@ def test_a_cpu_torch_beside_an_nvidia_gpu_is_refused_by_every_entry_point(
     assert evaluate.main(["--model", "m", "--out", str(tmp_path / "r.json")]) == 2
     assert re.search(refusal, capsys.readouterr().err.strip().splitlines()[-1])
     assert not (tmp_path / "out").exists() and not (tmp_path / "r.json").exists()
-    monkeypatch.setattr(flag_checks, "nvidia_gpu_visible", lambda: False)
-    assert flag_checks.torch_build_problem() is None  # a CPU machine: nothing to say
+    monkeypatch.setattr(cli, "nvidia_gpu_visible", lambda: False)
+    assert cli.torch_build_problem() is None  # a CPU machine: nothing to say
 
 
 def test_hiding_every_gpu_on_purpose_is_no_visible_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert not flag_checks.nvidia_gpu_visible()
+    assert not cli.nvidia_gpu_visible()

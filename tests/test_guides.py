@@ -298,9 +298,9 @@ def test_defaults_are_the_papers():
     "kwargs,message",
     [
         (dict(name="entropy"), "unknown --guide"),
-        (dict(name="branch", q_min=1.1), "q_min"),
-        (dict(name="branch", q_max=0.9), "q_max"),
-        (dict(name="branch", q_min=0.0), "q_min"),
+        (dict(name="branch", q_min=1.1), r"--q-min 1.1: must be a finite number in \(0, 1\]"),
+        (dict(name="branch", q_max=0.9), "--q-max 0.9: must be a finite number >= 1"),
+        (dict(name="branch", q_min=0.0), r"--q-min 0.0: must be a finite number in \(0, 1\]"),
         (dict(name="token", token_normalization="zscore"), "normalization"),
         (dict(name="random", num_cycles=0), "num_cycles"),
     ],

@@ -70,7 +70,9 @@ def test_sage_evaluate_and_the_plan_load_the_short_name_as_org_name(
     for device in ("cpu", "cuda"):  # the plan runs on CUDA only: both halves, forced
         with monkeypatch.context() as forced, pytest.raises(Loaded) as loaded:
             forced.setattr(torch.cuda, "is_available", lambda device=device: device == "cuda")
-            forced.setenv("CUDA_VISIBLE_DEVICES", "")  # (no GPU on purpose: flag_checks agrees)
+            forced.setenv(
+                "CUDA_VISIBLE_DEVICES", ""
+            )  # (no GPU on purpose: the device check agrees)
             sage.main(["--model", "Qwen2.5-Math-7B", "--out", str(tmp_path / "runs")])
         assert str(loaded.value) == "Qwen/Qwen2.5-Math-7B"
         said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[model]")]

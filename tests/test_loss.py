@@ -798,9 +798,9 @@ def test_the_k3_offset_is_logged_only_where_it_is_defined():
 
 def test_negative_clip_epsilons_are_rejected():
     """eps_high = -1 would clip the ratio to [0.8, 0.0], dropping every A > 0 gradient."""
-    with pytest.raises(ValueError, match="eps_high >= 0"):
+    with pytest.raises(ValueError, match="--eps-high -1.0: must be a finite number >= 0"):
         loss.LossConfig(eps_high=-1.0)
-    with pytest.raises(ValueError, match="0 <= eps_low < 1"):
+    with pytest.raises(ValueError, match=r"--eps-low 1.5: must be a finite number in \[0, 1\)"):
         loss.LossConfig(eps_low=1.5)
 
 
@@ -811,10 +811,10 @@ def test_negative_clip_epsilons_are_rejected():
         ("aggregation", "sum", "unknown --loss-agg 'sum'"),
         ("kl", "sideways", "unknown --kl 'sideways'"),
         ("kl_estimator", "k4", "unknown --kl-estimator 'k4'"),
-        ("beta", -0.1, "--beta must be finite and >= 0"),
-        ("beta", float("inf"), "--beta must be finite"),
-        ("tis_cap", float("nan"), "--tis-cap must be finite"),
-        ("tis_cap", -1.0, "--tis-cap must be finite and >= 0"),
+        ("beta", -0.1, "--beta -0.1: must be a finite number >= 0"),
+        ("beta", float("inf"), "--beta inf: must be a finite number >= 0"),
+        ("tis_cap", float("nan"), "--tis-cap nan: must be a finite number >= 0"),
+        ("tis_cap", -1.0, "--tis-cap -1.0: must be a finite number >= 0"),
     ],
 )
 def test_a_loss_config_that_cannot_run_is_rejected_in_one_line(field, value, message):

@@ -13,8 +13,7 @@ import sys
 import pytest
 import torch
 
-from machinery import models, runs
-from machinery.cli import UsageError
+from machinery import UsageError, models, runs
 from machinery.data import PromptSampler
 
 

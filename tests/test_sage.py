@@ -121,7 +121,7 @@ def test_the_model_is_required_and_the_demo_is_named(capsys):
         (["--algo", "ppo"], "unknown --algo"),
         (["--rollouts", "1"], "--rollouts 1: must be a finite number >= 2"),
         (["--guide", "branch", "--beta", "0"], "acts only through the KL anchor"),
-        (["--q-min", "1.2"], "--q-min 1.2 and --q-max 1.4"),
+        (["--q-min", "1.2"], "--q-min 1.2: must be a finite number in (0, 1]"),
         (["--sft-only"], "--sft-only needs --sft-dataset"),
     ],
 )
