@@ -34,7 +34,7 @@ from tqdm import tqdm
 import guides
 import loss
 import rollout
-from machinery import cli, fast_logprobs, flag_checks, hub
+from machinery import cli, fast_logprobs, flag_checks, models
 from machinery import results as files
 from machinery.data import DataError, resolve_benchmarks
 from machinery.runs import write_json_atomic
@@ -827,7 +827,7 @@ def evaluate_and_report(args: EvalArgs) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    errors = (EvalError, DataError, hub.ModelError, rollout.RolloutError)  # one line each
+    errors = (EvalError, DataError, models.ModelError, rollout.RolloutError)  # one line each
     if argv and argv[0] in ANALYSES:  # figures and tables from saved files
         from extras import analysis
 
@@ -840,7 +840,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if kind is EvalArgs:
             if problem := flag_checks.check_eval_args(kind(**given)):
                 raise EvalError(problem)  # before any model or benchmark loads
-            given["model"] = hub.resolve_model(given["model"])  # a short name -> org/name
+            given["model"] = models.resolve_model(given["model"])  # a short name -> org/name
         work(kind(**given))
     except errors as error:
         print(f"evaluate.py: error: {error}", file=sys.stderr)

@@ -37,7 +37,7 @@ import loss
 import rollout
 from evaluate import EvalConfig
 from extras.flags import DynamicSamplingConfig, HintsConfig, SFTConfig
-from machinery import cli, flag_checks, hub, memory_plan, models, runs, trackers
+from machinery import cli, flag_checks, memory_plan, models, runs, trackers
 from machinery.data import PromptSampler, load_rows, training_problems
 from machinery.task import build_prompt_ids, load_reward_function
 
@@ -202,7 +202,7 @@ def start_run(config: Config) -> tuple[str, float | None]:
     (on CUDA) the memory plan's estimate, whose forecast peak in GB comes back with the run
     directory (None on the CPU); seed; no write. --plan-memory prints the plan and ends the
     program first."""
-    config.model = hub.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
+    config.model = models.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
     if config.extras["memory"].plan_memory:  # the forecast, then the end
         memory_plan.print_plan(config, with_reference=needs_reference(config))
         raise SystemExit(0)
