@@ -38,8 +38,13 @@ import rollout
 from evaluate import EvalConfig
 from extras.flags import DynamicSamplingConfig, HintsConfig, SFTConfig
 from machinery import cli, flag_checks, memory_plan, models, runs, trackers
-from machinery.data import PromptSampler, load_rows, training_problems
-from machinery.task import build_prompt_ids, load_reward_function
+from machinery.task import (
+    PromptSampler,
+    build_prompt_ids,
+    load_reward_function,
+    load_rows,
+    training_problems,
+)
 
 # ---- Configuration: one typed dataclass, a docstring per field, parsed once --------------------
 

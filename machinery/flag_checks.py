@@ -12,8 +12,7 @@ import math
 import os
 from collections.abc import Sequence
 
-from machinery.data import LOCAL_FORMATS
-from machinery.task import SOLUTION_FORMATS
+from machinery.task import LOCAL_FORMATS, SOLUTION_FORMATS
 
 # (flag, lowest, highest, what it must be): None is unbounded; the bounds are inclusive unless
 # the text says otherwise (checked by ``in_range``).
