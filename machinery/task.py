@@ -30,8 +30,6 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
-import importlib
-import importlib.util
 import inspect
 import json
 import logging
@@ -39,10 +37,12 @@ import math
 import os
 import random
 import re
+import runpy
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib import import_module
 
 from machinery.cli import UsageError
 from machinery.grading_pool import DEFAULT_TIMEOUT_S as GRADE_TIMEOUT_S
@@ -636,26 +636,16 @@ def load_reward_function(
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise RewardError(f"--reward {spec!r}: write module:function or path/to/file.py:function")
-    try:
-        if where.endswith(".py"):
-            if not os.path.isfile(where):
-                raise RewardError(f"--reward {spec!r}: no file {where!r}")
-            module_spec = importlib.util.spec_from_file_location(
-                os.path.splitext(os.path.basename(where))[0], where
-            )
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except RewardError:
-        raise
+    if where.endswith(".py") and not os.path.isfile(where):
+        raise RewardError(f"--reward {spec!r}: no file {where!r}")
+    try:  # the file's or the module's names
+        found = runpy.run_path(where) if where.endswith(".py") else vars(import_module(where))
     except Exception as error:  # noqa: BLE001 -- whatever the user's module raises on import
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise RewardError(
-            f"--reward {spec!r}: cannot import {where!r} ({type(error).__name__}: {first[:160]}); "
-            "pass an importable module or a .py file"
+            f"--reward {spec!r}: cannot import {where!r} ({type(error).__name__}: "
+            f"{first_line(error)}); pass an importable module or a .py file"
         ) from None
-    function = getattr(module, name, None)
+    function = found.get(name)
     if not callable(function):
         raise RewardError(f"--reward {spec!r}: {where!r} has no function {name!r}")
     try:
