@@ -31,7 +31,7 @@ import psutil
 import torch
 
 from machinery.cli import UsageError
-from machinery.engine_checks import looks_like_hub_id, one_line
+from machinery.engine_checks import one_line
 
 # Short names -> hub names: the paper's models (docs/gpu.md: Qwen2.5-Math-7B, the base of Table
 # 1, and DeepSeek-R1-Distill-Qwen-7B, its R1-distill rows), their 1.5B siblings, and Llama 3.1 8B.
@@ -76,13 +76,13 @@ def resolve_model(model: str) -> str:
             )
         print(f"[model] {model} is {SHORT_NAMES[model.lower()]} on the hub", file=sys.stderr)
         model = SHORT_NAMES[model.lower()]
-    if not looks_like_hub_id(model) or constants.HF_HUB_OFFLINE:
+    if constants.HF_HUB_OFFLINE:
         return model
     try:
         if isinstance(try_to_load_from_cache(model, "config.json"), str):
             return model  # cached: the loaders fall back to it at once
         model_info(model, timeout=REACH_TIMEOUT_S)  # one try, no retries
-    except (ValueError, HfHubHTTPError):  # not a repo id, or the hub answered: the loader says
+    except (ValueError, HfHubHTTPError):  # not a hub name, or the hub answered: the loader says
         return model
     except Exception as error:  # noqa: BLE001 -- the HTTP client's refused, no route, timed out
         raise ModelError(
