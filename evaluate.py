@@ -34,15 +34,16 @@ from tqdm import tqdm
 import guides
 import loss
 import rollout
-from machinery import cli, fast_logprobs, hub
+from machinery import cli, fast_logprobs, models
 from machinery import results as files
-from machinery.data import DataError, resolve_benchmarks
 from machinery.runs import write_json_atomic
 from machinery.task import (
+    DataError,
     build_prompt_ids,
     default_pool,
     grade_batch,
     grading_pool,
+    resolve_benchmarks,
     sft_completion,
 )
 
@@ -243,7 +244,7 @@ def generate_and_grade(
 ) -> SeedSamples:
     """``sampling.n`` samples per prompt (token ids) in one seeded engine call (``sampling``: a
     rollout.SamplingConfig), then grading against the
-    problems (machinery.data.Problem) in ``pool`` (a GradingPool; default: the shared one).
+    problems (machinery.task.Problem) in ``pool`` (a GradingPool; default: the shared one).
 
     One call, not several: the engine derives each prompt's seed from ``sampling.seed`` and the
     prompt's position in the call, so the same call reproduces the same samples.
@@ -402,7 +403,7 @@ def solution_completion_ids(
     tokenizer, solution: str, answer: str, solution_format: str = "paper"
 ) -> list[int]:
     """y*: with solution_format "paper", a reference solution in the paper's answer format (App.
-    E.4) and the EOS that ends it, tokenized as SFT tokenizes its targets (machinery/data.py);
+    E.4) and the EOS that ends it, tokenized as SFT tokenizes its targets (extras/sft.py);
     with "prefix", the field's text as it is, a completion prefix (no format, no EOS): the probe
     then measures log pi of that prefix, such as a first token.
 
@@ -829,7 +830,7 @@ def evaluate_and_report(args: EvalArgs) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    errors = (EvalError, DataError, hub.ModelError, rollout.RolloutError)  # one line each
+    errors = (EvalError, DataError, models.ModelError, rollout.RolloutError)  # one line each
     if argv and argv[0] in ANALYSES:  # figures and tables from saved files
         from extras import analysis
 
@@ -842,7 +843,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if kind is EvalArgs:
             if problem := cli.check_eval_args(args):
                 raise EvalError(problem)  # before any model or benchmark loads
-            args.model = hub.resolve_model(args.model)  # a short name -> org/name
+            args.model = models.resolve_model(args.model)  # a short name -> org/name
         work(args)
     except errors as error:
         print(f"evaluate.py: error: {error}", file=sys.stderr)

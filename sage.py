@@ -37,9 +37,14 @@ import loss
 import rollout
 from evaluate import EvalConfig
 from extras.flags import DynamicSamplingConfig, HintsConfig, SFTConfig
-from machinery import cli, hub, memory_plan, models, runs
-from machinery.data import PromptSampler, load_rows, training_problems
-from machinery.task import build_prompt_ids, load_reward_function
+from machinery import cli, memory_plan, models, runs
+from machinery.task import (
+    PromptSampler,
+    build_prompt_ids,
+    load_reward_function,
+    load_rows,
+    training_problems,
+)
 
 # ---- Configuration: one typed dataclass, a docstring per field, parsed once --------------------
 
@@ -202,7 +207,7 @@ def start_run(config: Config) -> tuple[str, float | None]:
     (on CUDA) the memory plan's estimate, whose forecast peak in GB comes back with the run
     directory (None on the CPU); seed; no write. --plan-memory prints the plan and ends the
     program first."""
-    config.model = hub.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
+    config.model = models.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
     if config.extras["memory"].plan_memory:  # the forecast, then the end
         from extras import memory_report
 

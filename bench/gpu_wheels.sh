@@ -10,8 +10,8 @@
 # transformers brings huggingface_hub, numpy, packaging, pyyaml, tqdm, tokenizers, safetensors;
 # peft and accelerate bring psutil):
 #   - the grader: math-verify, latex2sympy2_extended, the antlr4 runtime (machinery/task.py);
-#   - datasets and what it imports (machinery/data.py imports it at the top, so sage.py and most
-#     tests need it): pyarrow, pandas, python-dateutil, tzdata, dill, multiprocess, xxhash;
+#   - datasets and what it imports (machinery/task.py's load_rows reads every run's problems with
+#     it, so sage.py and most tests need it): pyarrow, pandas, python-dateutil, tzdata, dill, multiprocess, xxhash;
 #   - trl (extras/trl_sage.py, tests/test_trl_sage.py), pure Python;
 #   - pytest and its dependencies.
 # Left out, as too large for 64 MiB beside pyarrow: matplotlib (extras/analysis.py and the

@@ -325,7 +325,6 @@ def prepare(run_dir: str, seed: int, demo: DemoConfig) -> dict[str, str]:
     import sage
     from extras import sft
     from machinery import runs
-    from machinery.data import tokenize_sft_examples
 
     os.makedirs(run_dir, exist_ok=True)
     task_seed = seed if demo.demo_task_seed < 0 else demo.demo_task_seed
@@ -355,7 +354,7 @@ def prepare(run_dir: str, seed: int, demo: DemoConfig) -> dict[str, str]:
     examples = demo_sft_examples(
         train, demo.demo_sft_examples, demo.demo_sft_noise, demo.demo_hard_noise, seed + 1
     )
-    pairs, _ = tokenize_sft_examples(tokenizer, examples, max_seq_len)
+    pairs, _ = sft.tokenize_sft_examples(tokenizer, examples, max_seq_len)
     settings = sft.SFTConfig(
         sft_epochs=demo.sft_epochs,
         sft_lr=demo.sft_lr,

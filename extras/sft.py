@@ -3,8 +3,10 @@
 Base models do not yet write the paper's answer format, so RL from them sees no reward. The
 paper first fine-tunes them on a small set of worked solutions: LoRA, 2 epochs, batch 1, lr 2e-4,
 a linear schedule with 5 warmup steps, weight decay 0.01, on examples whose whole text is at most
-half the max length (never cut: a cut example would lose its closing tag and EOS). The merged
-model, <run>/sft_model, is the base of every RL run of Table 1 (``--sft-only`` stops there).
+half the max length (never cut: a cut example would lose its closing tag and EOS). The examples
+are the numerically answerable rows of OpenMathReasoning-mini in the paper's answer format
+(``sft_examples``, ``tokenize_sft_examples``, with counts of what was dropped). The merged model,
+<run>/sft_model, is the base of every RL run of Table 1 (``--sft-only`` stops there).
 """
 
 from __future__ import annotations
@@ -19,6 +21,72 @@ from tqdm import tqdm
 
 import loss
 from extras.flags import SFTConfig
+from machinery.task import DataError, build_prompt_ids, require_fields, sft_completion
+
+
+def sft_examples(
+    rows: list[dict], problem_key: str, reasoning_key: str, answer_key: str, where: str
+) -> tuple[list[dict], int]:
+    """{problem, completion} in the paper's format from the numerically answerable rows (the
+    paper keeps those only), and the number of rows dropped for a non-numeric answer."""
+    require_fields(
+        rows,
+        (problem_key, reasoning_key, answer_key),
+        where,
+        "--sft-problem-key / --sft-reasoning-key / --sft-answer-key",
+    )
+    examples = []
+    for row in rows:
+        answer = str(row[answer_key]).strip()
+        try:
+            float(answer.replace(",", ""))
+        except ValueError:
+            continue
+        examples.append(
+            {
+                "problem": str(row[problem_key]),
+                "completion": sft_completion(str(row[reasoning_key]), answer),
+            }
+        )
+    if not examples:
+        raise DataError(f"no numerically answerable SFT examples in {where}")
+    return examples, len(rows) - len(examples)
+
+
+def tokenize_sft_examples(
+    tokenizer, examples: list[dict], max_tokens: int, max_samples: int = 0
+) -> tuple[list[tuple[list[int], list[int]]], dict]:
+    """(prompt ids, completion ids + EOS) of the first ``max_samples`` examples (0: all) whose
+    whole text fits in ``max_tokens``, and counts of what was kept and dropped.
+
+    An example is never cut: a cut one would lose its closing ``</SOLUTION>`` and EOS, and SFT
+    would teach the model not to close the format (the RL stage would then see no reward).
+    """
+    pairs, dropped, longest = [], 0, 0
+    for example in examples:
+        prompt = build_prompt_ids(tokenizer, example["problem"])
+        completion = tokenizer(example["completion"], add_special_tokens=False)["input_ids"] + [
+            tokenizer.eos_token_id
+        ]
+        if len(prompt) + len(completion) > max_tokens:
+            dropped += 1
+            continue
+        pairs.append((prompt, completion))
+        longest = max(longest, len(prompt) + len(completion))
+        if max_samples and len(pairs) >= max_samples:
+            break
+    stats = {
+        "kept": len(pairs),
+        "dropped_too_long": dropped,
+        "max_tokens": max_tokens,
+        "longest_kept": longest,
+    }
+    if not pairs:
+        raise DataError(
+            f"no SFT example fits in {max_tokens} tokens (prompt + completion); raise "
+            "--sft-max-tokens or --max-seq-len"
+        )
+    return pairs, stats
 
 
 def sft(
@@ -75,7 +143,7 @@ def warm_start(config, run_dir: str, wrap_lora) -> str:
     kept and how many dropped (a non-numeric answer, or longer than --sft-max-tokens).
     """
     from machinery import models, runs
-    from machinery.data import load_rows, sft_examples, tokenize_sft_examples
+    from machinery.task import load_rows
 
     settings, final = config.extras["sft"], os.path.join(run_dir, "sft_model")
     if config.resume and os.path.exists(os.path.join(final, "config.json")):

@@ -51,9 +51,16 @@ import guides
 import loss
 import sage
 from machinery import cli, runs
-from machinery.data import DataError, load_rows, training_problems
 from machinery.models import attention_implementation
-from machinery.task import SYSTEM_PROMPT, RewardError, build_prompt_ids, load_reward_function
+from machinery.task import (
+    SYSTEM_PROMPT,
+    DataError,
+    RewardError,
+    build_prompt_ids,
+    load_reward_function,
+    load_rows,
+    training_problems,
+)
 from sage import LORA_TARGETS
 
 TRL_VERSION = "1.16.0"

@@ -53,7 +53,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import guides
 from extras.compare import interval, paired_difference, run
-from machinery.data import tokenize_sft_examples
+from extras.sft import tokenize_sft_examples
 from machinery.runs import read_jsonl, save_model_atomic, write_json_atomic, write_jsonl_atomic
 from machinery.task import build_prompt_ids
 from toy import backward

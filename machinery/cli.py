@@ -33,8 +33,7 @@ import typing
 from collections.abc import Sequence
 
 from machinery import UsageError
-from machinery.data import LOCAL_FORMATS
-from machinery.task import SOLUTION_FORMATS, RewardError, load_reward_function
+from machinery.task import LOCAL_FORMATS, SOLUTION_FORMATS, RewardError, load_reward_function
 
 SIMPLE_TYPES = (str, int, float, bool, list)
 

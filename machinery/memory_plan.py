@@ -33,7 +33,7 @@ import math
 
 import torch
 
-from machinery import fast_logprobs, hub
+from machinery import fast_logprobs, models
 from machinery.vllm_backend import CheckError
 
 # The paper's model, Qwen2.5-Math-7B (DeepSeek-R1-Distill-Qwen-7B has the same shape): the
@@ -60,16 +60,16 @@ class PlanConfig:
 
 
 def read_model_config(model: str):
-    """The model's config.json (a local directory, or a hub name as ``hub.resolve_model`` takes
+    """The model's config.json (a local directory, or a hub name as ``models.resolve_model`` takes
     it; no weights are read). One that does not read is the loader's one line, so a run says the
     same whether the plan or the loader meets the model first."""
     from transformers import AutoConfig
 
-    name = hub.resolve_model(model)
+    name = models.resolve_model(model)
     try:
         return AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as error:
-        raise SystemExit(hub.cannot_load(name, error)) from None
+        raise SystemExit(models.cannot_load(name, error)) from None
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,10 +1,17 @@
-"""The base model of a run, loaded for the device it trains on, and what fits on one GPU.
+"""The base model of a run: the name it loads by, loaded for the device it trains on, and what
+fits on one GPU.
 
-* The base model loads from a hub name or a local directory, in bf16 on CUDA (float32 on CPU),
-  with flash-attention 2 when a matching build is installed (else PyTorch's SDPA), and gradient
-  checkpointing for long completions. Fine-tuning every weight keeps them in float32 on CUDA too:
-  an AdamW step of lr = 5e-6 is smaller than half a bf16 step of any weight above 2e-3 in size,
-  so in bf16 most updates would round away and training would silently stall.
+* A --model is a local directory or a hub ``org/name`` as it is, or a short name of the paper's
+  models (Qwen2.5-Math-7B) with its organization, said once; any other bare name is refused in
+  one line naming ``org/name`` (``resolve_model``). A hub name that is not in the local cache is
+  first asked of the hub once, briefly: the loaders retry a hub that does not answer five times
+  (back-off 1, 2, 4, 8, 8 s, each try waiting up to HF_HUB_ETAG_TIMEOUT), half a minute to
+  minutes before a traceback, so an unreachable hub is one line instead.
+* The base model loads in bf16 on CUDA (float32 on CPU), with flash-attention 2 when a build is
+  installed (else PyTorch's SDPA), and gradient checkpointing for long completions.
+  Fine-tuning every weight keeps them in float32 on CUDA too: an AdamW step of lr = 5e-6 is
+  smaller than half a bf16 step of any weight above 2e-3 in size, so in bf16 most updates would
+  round away and training would silently stall.
 * On the CPU, freed activations stay with the process for the next micro-batch
   (``keep_freed_memory``) instead of going back to the kernel and faulting in again,
   zero-filled, at their next use.
@@ -17,12 +24,82 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+import sys
 
 import psutil
 import torch
-from tqdm import tqdm
 
-from machinery import hub
+from machinery import UsageError
+from machinery.vllm_backend import one_line
+
+# Short names -> hub names: the paper's models (docs/gpu.md: Qwen2.5-Math-7B, the base of Table
+# 1, and DeepSeek-R1-Distill-Qwen-7B, its R1-distill rows), their 1.5B siblings, and Llama 3.1 8B.
+SHORT_NAMES = {
+    name.lower(): f"{org}/{name}"
+    for org, name in [
+        ("Qwen", "Qwen2.5-Math-7B"),
+        ("Qwen", "Qwen2.5-Math-1.5B"),
+        ("deepseek-ai", "DeepSeek-R1-Distill-Qwen-7B"),
+        ("deepseek-ai", "DeepSeek-R1-Distill-Qwen-1.5B"),
+        ("meta-llama", "Llama-3.1-8B"),
+        ("meta-llama", "Llama-3.1-8B-Instruct"),
+    ]
+}
+REACH_TIMEOUT_S = 5.0  # one try; a hub that answers at all answers well within this
+
+
+class ModelError(UsageError):
+    """A --model that names nothing loadable, or a hub that cannot be reached (one line)."""
+
+
+def resolve_model(model: str) -> str:
+    """``model`` as transformers and vLLM load it: a local path or an ``org/name`` as it is, a
+    known short name (any case) with its organization. A hub name neither cached nor answered by
+    the hub within ``REACH_TIMEOUT_S`` is a ModelError now; offline mode (HF_HUB_OFFLINE=1) never
+    asks the hub.
+
+    >>> resolve_model("runs/sft/sft_model")  # not there yet, and no hub name: the loader says so
+    'runs/sft/sft_model'
+    """
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if os.path.exists(os.path.expanduser(model)):
+        return model
+    if "/" not in model:
+        if model.lower() not in SHORT_NAMES:
+            known = ", ".join(name.split("/")[1] for name in SHORT_NAMES.values())
+            raise ModelError(
+                f"--model {model}: neither a local directory nor a known model ({known}); name a "
+                "hub model as org/name, e.g. Qwen/Qwen2.5-Math-7B"
+            )
+        print(f"[model] {model} is {SHORT_NAMES[model.lower()]} on the hub", file=sys.stderr)
+        model = SHORT_NAMES[model.lower()]
+    if constants.HF_HUB_OFFLINE:
+        return model
+    try:
+        if isinstance(try_to_load_from_cache(model, "config.json"), str):
+            return model  # cached: the loaders fall back to it at once
+        model_info(model, timeout=REACH_TIMEOUT_S)  # one try, no retries
+    except (ValueError, HfHubHTTPError):  # not a hub name, or the hub answered: the loader says
+        return model
+    except Exception as error:  # noqa: BLE001 -- the HTTP client's refused, no route, timed out
+        raise ModelError(
+            f"--model {model}: the hub at {constants.ENDPOINT} cannot be reached "
+            f"({one_line(error)}) and the model is not in the local cache: check the network (or "
+            "HF_ENDPOINT), or pass a local model directory"
+        ) from None
+    return model
+
+
+def cannot_load(model: str, error: BaseException) -> str:
+    """The one line of a model that does not load (its config.json, tokenizer or weights), the
+    same from the memory plan and the loader."""
+    return (
+        f"error: cannot load model {model!r} ({one_line(error)}); pass a local model directory "
+        "or a cached hub name"
+    )
 
 
 def device_and_dtype(full_finetune: bool = False) -> tuple[torch.device, torch.dtype]:
@@ -33,20 +110,13 @@ def device_and_dtype(full_finetune: bool = False) -> tuple[torch.device, torch.d
 
 
 def attention_implementation(dtype: torch.dtype) -> str:
-    """flash-attention 2 on CUDA in bf16 when transformers finds a working build, else PyTorch's
-    SDPA."""
-    if not torch.cuda.is_available() or dtype not in (torch.bfloat16, torch.float16):
-        return "sdpa"
-    try:
-        from transformers.utils import is_flash_attn_2_available
+    """flash-attention 2 in bf16 (or fp16) when transformers finds a build for CUDA (its package
+    metadata: ``make install`` puts a wheel there only after ``import flash_attn`` succeeds),
+    else PyTorch's SDPA. transformers' own default is SDPA whatever is installed."""
+    from transformers.utils import is_flash_attn_2_available
 
-        if is_flash_attn_2_available():
-            return "flash_attention_2"
-    except (
-        Exception
-    ) as error:  # a wheel built for another torch fails at import (undefined symbols)
-        tqdm.write(f"note: flash-attn does not load ({type(error).__name__}); using PyTorch SDPA")
-    return "sdpa"
+    half = dtype in (torch.bfloat16, torch.float16)
+    return "flash_attention_2" if half and is_flash_attn_2_available() else "sdpa"
 
 
 def enable_gradient_checkpointing(model) -> None:
@@ -104,7 +174,7 @@ def load_base_model(
             path, dtype=dtype, attn_implementation=attention_implementation(dtype)
         )
     except (OSError, ValueError) as error:
-        raise SystemExit(hub.cannot_load(path, error)) from None
+        raise SystemExit(cannot_load(path, error)) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if gradient_checkpointing:

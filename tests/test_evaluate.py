@@ -29,7 +29,7 @@ import pytest
 import evaluate
 import machinery.results
 from extras import analysis, demo
-from machinery import data, task
+from machinery import task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -172,7 +172,7 @@ def test_unknown_backend_lists_the_choices():
 
 def test_evaluate_problems_counts_correct_samples_per_problem_and_seed(pool):
     engine = ScriptedEngine()
-    problems = [data.Problem(row["question"], row["solution"]) for row in TINY_PROBLEMS]
+    problems = [task.Problem(row["question"], row["solution"]) for row in TINY_PROBLEMS]
     n = 4
     out = evaluate.evaluate_problems(
         engine, engine.tokenizer, problems, n=n, seeds=[0, 1], pool=pool
@@ -280,7 +280,7 @@ def test_model_identity_hashes_the_adapters_bytes_and_the_weights_sizes(tmp_path
     assert first["architectures"] == ["Toy"] and first["fingerprint"] != second["fingerprint"]
     (model / "model.safetensors").write_bytes(b"other!!")  # same size: weights' bytes are not read
     assert identity(str(model), str(adapter))["fingerprint"] == second["fingerprint"]
-    with pytest.raises(data.DataError, match="not a peft adapter directory"):
+    with pytest.raises(task.DataError, match="not a peft adapter directory"):
         identity(str(model), str(model))
 
 

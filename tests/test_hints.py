@@ -9,7 +9,7 @@ import torch
 
 import sage
 from extras import demo, hints
-from machinery import data, runs, task
+from machinery import runs, task
 
 
 def test_replies_become_hint_levels_and_leaks_are_counted_not_dropped():
@@ -166,7 +166,7 @@ def run_collect(self_hints: bool, answers=("12", "18")):
         graded.append((list(problem_texts), list(answers)))
         return [float(c == "<SOLUTION>" + a + "</SOLUTION>") for c, a in zip(completions, answers)]
 
-    sampler = data.PromptSampler(2, seed=0)
+    sampler = task.PromptSampler(2, seed=0)
     sampler.take = lambda count: [0, 1]
     result = sage.collect_rollouts(engine, sampler, problems, config, 0, reward, runs.PhaseTimer())
     return engine, tokenizer, result, graded, result[2]

@@ -58,8 +58,8 @@ def imported_project_modules(path, top_level_only=False):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            # `from extras import demo` imports extras.demo; `from machinery.data import X`,
-            # machinery.data
+            # `from extras import demo` imports extras.demo; `from machinery.task import X`,
+            # machinery.task
             submodules = [
                 f"{node.module}.{alias.name}"
                 for alias in node.names

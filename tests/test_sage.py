@@ -13,7 +13,7 @@ import guides
 import loss
 import sage
 from extras import demo, dynamic_sampling, sft
-from machinery import cli, data, fast_logprobs, task
+from machinery import cli, fast_logprobs, runs, task
 
 
 def test_paper_defaults_for_model_runs():
@@ -317,13 +317,56 @@ def test_k1_return_shaping_keeps_every_tensor_on_the_log_probs_device():
             assert all(held.log_q.device.type == "cuda" for held in fixed)
 
 
+def test_sft_examples_are_never_cut_and_keep_the_closing_format(tmp_path, tiny):
+    """OpenMathReasoning rows run to thousands of tokens: a cut example would lose </SOLUTION> and
+    EOS and teach the model not to close the format. Long rows are dropped whole instead."""
+    _, tokenizer = tiny
+    rows = [
+        {
+            "problem": "What is 2 + 2?",
+            "generated_solution": "<think>\n2+2=4\n</think>\nSo it is 4.",
+            "expected_answer": "4",
+        },
+        {
+            "problem": "What is 3 + 4?",
+            "generated_solution": "<think>" + "3+4 " * 200 + "</think>",
+            "expected_answer": "7",
+        },
+        {
+            "problem": "Name the sum.",
+            "generated_solution": "It is seven.",
+            "expected_answer": "seven",
+        },
+        {"problem": "What is 1 + 5?", "generated_solution": "1+5=6", "expected_answer": "6"},
+    ]
+    path = str(tmp_path / "sft.jsonl")
+    runs.write_jsonl_atomic(path, rows)
+    examples, not_numeric = sft.sft_examples(
+        task.load_rows(path), "problem", "generated_solution", "expected_answer", path
+    )
+    assert not_numeric == 1 and len(examples) == 3
+    pairs, stats = sft.tokenize_sft_examples(tokenizer, examples, max_tokens=128)
+    assert stats["kept"] == 2 and stats["dropped_too_long"] == 1 and stats["max_tokens"] == 128
+    closing = tokenizer("</SOLUTION>", add_special_tokens=False)["input_ids"]
+    for prompt, completion in pairs:
+        assert len(prompt) + len(completion) <= 128
+        assert completion[-1] == tokenizer.eos_token_id
+        assert completion[-1 - len(closing) : -1] == closing
+        assert "think>" not in tokenizer.decode(completion)
+    assert tokenizer.decode(pairs[0][1][:-1]).startswith("<start_working_out>2+2=4")
+    first, _ = sft.tokenize_sft_examples(tokenizer, examples, max_tokens=128, max_samples=1)
+    assert first == pairs[:1]
+    with pytest.raises(task.DataError, match="no SFT example fits in 10 tokens"):
+        sft.tokenize_sft_examples(tokenizer, examples, max_tokens=10)
+
+
 def test_sft_lowers_the_loss(tiny):
     _, tokenizer = tiny
     model = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=3)
     examples = [
         {"problem": "What is 1 + 2?", "completion": task.format_completion("1+2=3", "3")}
     ] * 8
-    pairs, _ = data.tokenize_sft_examples(tokenizer, examples, max_tokens=160)
+    pairs, _ = sft.tokenize_sft_examples(tokenizer, examples, max_tokens=160)
     settings = sft.SFTConfig(sft_epochs=3, sft_lr=3e-3, sft_batch_size=4, sft_warmup_steps=1)
     losses = sft.sft(
         model, pairs, tokenizer.pad_token_id, settings, sage.Config(max_seq_len=160), progress=False

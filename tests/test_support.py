@@ -9,8 +9,7 @@ import torch
 import bounds
 import evaluate
 import loss
-from machinery.data import Problem
-from machinery.task import build_prompt_ids
+from machinery.task import Problem, build_prompt_ids
 
 PROBLEMS = [
     Problem(problem="What is 7 + 5?", answer="12", solution="7+5=12", group="hard"),

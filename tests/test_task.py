@@ -1,11 +1,108 @@
-"""task.py and grading_pool.py: the answer format, grading against hand-decided cases (serial and
-pooled must agree), and the pool's hard timeout on an input that would run for hours."""
+"""task.py and grading_pool.py: one loader for training rows and benchmarks, the problems and the
+prompt sampler; the answer format, grading against hand-decided cases (serial and pooled must
+agree), and the pool's hard timeout on an input that would run for hours."""
 
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 
 from machinery import task
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_rows_without_an_answer_are_an_error():
+    rows = [{"prompt": "1+1", "solution": "2"}, {"prompt": "2+2", "solution": ""}]
+    with pytest.raises(task.DataError, match="row 1 has no answer"):
+        task.training_problems(rows, "prompt", "solution", 0, "data.jsonl")
+    with pytest.raises(task.DataError, match="--problem-key"):
+        task.training_problems(rows, "question", "solution", 0, "data.jsonl")
+
+
+def test_local_dataset_loads_and_missing_dataset_is_one_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(
+        "\n".join(json.dumps({"prompt": f"{i}+1", "solution": str(i + 1)}) for i in range(5))
+    )
+    problems = task.training_problems(task.load_rows(str(path)), "prompt", "solution", 3, str(path))
+    assert problems == [{"problem": f"{i}+1", "answer": str(i + 1)} for i in range(3)]
+    with pytest.raises(task.DataError, match="cannot load dataset") as error:
+        task.load_rows("no-such-user/no-such-dataset-xyz")
+    assert "\n" not in str(error.value)
+
+
+def test_prompt_sampler_resumes_exactly():
+    sampler = task.PromptSampler(10, seed=0)
+    first = sampler.take(7)
+    state = sampler.state_dict()
+    rest = sampler.take(9)
+    resumed = task.PromptSampler(10, seed=0)
+    resumed.load_state_dict(state)
+    assert resumed.take(9) == rest
+    assert sorted(first + rest[:3]) == list(range(10))  # one epoch is a permutation
+
+
+TINY_PROBLEMS = [
+    {"question": f"What is {a} + {b}?", "solution": str(a + b)} for a, b in [(2, 3), (4, 4), (1, 7)]
+]
+
+
+def test_local_jsonl_parquet_and_csv_benchmarks_load_with_custom_keys(tmp_path):
+    import datasets
+
+    jsonl = write_jsonl(tmp_path / "tiny.jsonl", TINY_PROBLEMS)
+    parquet, csv = str(tmp_path / "tiny2.parquet"), str(tmp_path / "tiny3.csv")
+    datasets.Dataset.from_list(TINY_PROBLEMS).to_parquet(parquet)
+    datasets.Dataset.from_list(TINY_PROBLEMS).to_csv(csv, index=False)
+    expected = [task.Problem(row["question"], row["solution"]) for row in TINY_PROBLEMS]
+    resolved = task.resolve_benchmarks(f"{jsonl},{parquet},{csv}", "question", "solution")
+    assert list(resolved) == ["tiny", "tiny2", "tiny3"]
+    assert all(problems == expected for _, problems in resolved.values())
+    with pytest.raises(
+        task.DataError, match="has no field 'problem' .*question, solution.*--problem-key"
+    ):
+        task.resolve_benchmarks(jsonl)
+    (tmp_path / "tiny.txt").write_text("1 + 1")
+    with pytest.raises(task.DataError, match="unknown file type '.txt'"):
+        task.load_rows(str(tmp_path / "tiny.txt"))
+
+
+def test_hub_benchmark_offline_and_not_cached_fails_with_one_line_naming_the_fix(tmp_path):
+    env = dict(
+        os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf")
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            "evaluate.py",
+            "--model",
+            str(tmp_path),
+            "--benchmarks",
+            "aime",
+            "--out",
+            str(tmp_path / "r.json"),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "benchmark 'aime'" in lines[0] and "--problem-key" in lines[0] and "internet" in lines[0]
+    assert lines[0].startswith("evaluate.py: error:")
+
 
 FORMAT = "<start_working_out> working <end_working_out><SOLUTION> {} </SOLUTION>"
 
