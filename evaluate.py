@@ -323,12 +323,10 @@ def evaluation_rows(engine, tokenizer, benchmarks: dict, n: int, seed: int, samp
 
 
 def training_benchmarks(config) -> dict:
-    """What a sage.py run's --eval-every evaluates: {name: [Problem]} ({} when it is off;
-    cli.check_config insists on benchmarks when it is on). With --eval-solution-key every benchmark
-    must hold a reference solution in that field, the support probe's input: else one line naming
-    the flag. Loaded before the run directory is written, so a bad file leaves nothing behind."""
-    if config.eval.eval_every <= 0:
-        return {}
+    """What a sage.py run's --eval-every evaluates, when it is on: {name: [Problem]}
+    (cli.check_config insists on benchmarks then). With --eval-solution-key every benchmark must
+    hold a reference solution in that field, the support probe's input: else one line naming the
+    flag. Loaded before the run directory is written, so a bad file leaves nothing behind."""
     resolved = resolve_benchmarks(
         config.eval.eval_benchmarks,
         solution_key=config.eval.eval_solution_key,

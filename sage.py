@@ -229,8 +229,18 @@ def needs_reference(config: Config) -> bool:
     return config.loss.kl != "none" and config.loss.beta > 0
 
 
-def load_problems(config: Config, tokenizer) -> list[dict]:
-    """The training problems {problem, answer, prompt_ids} whose prompt fits --max-prompt-len."""
+@dataclass
+class Task:
+    """What a step's rollouts are drawn from and graded by: the training problems {problem,
+    answer, prompt_ids}, the sampler that draws each step's prompts (checkpointed), the reward."""
+
+    problems: list[dict]
+    sampler: PromptSampler
+    reward_function: Any
+
+
+def load_task(config: Config, tokenizer) -> Task:
+    """The training problems whose prompt fits --max-prompt-len, their sampler, and --reward."""
     problems = training_problems(
         load_rows(config.dataset, config.dataset_config),
         problem_key=config.problem_key,
@@ -244,7 +254,8 @@ def load_problems(config: Config, tokenizer) -> list[dict]:
     fitting = [p for p in problems if len(p["prompt_ids"]) <= config.max_prompt_len]
     if not fitting:
         raise SystemExit(f"error: no prompt fits in --max-prompt-len {config.max_prompt_len}")
-    return fitting
+    sampler = PromptSampler(len(fitting), config.seed)
+    return Task(fitting, sampler=sampler, reward_function=load_reward_function(config.reward))
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -283,10 +294,24 @@ def reference_mode(policy, frozen_reference):
             yield policy
 
 
-def load_policy(config: Config, base_path: str):
-    """(policy, frozen reference or None, optimizer, scheduler, tokenizer): LoRA adapters on the
-    model at ``base_path``, whose reference pi_ref is that model with the adapters off (no copy; a
-    frozen copy only with --full-finetune); AdamW with linear warmup and decay (Table 8)."""
+@dataclass
+class Learner:
+    """What the update trains and holds: the policy, its frozen reference (None: pi_ref is the
+    LoRA base with the adapters off), AdamW and its schedule, the guide's random generator (the
+    random and token guides draw from it), and the tokenizer's padding id."""
+
+    policy: Any
+    reference: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    guide_generator: torch.Generator
+    pad_id: int
+
+
+def load_policy(config: Config, base_path: str) -> tuple[Learner, Any]:
+    """(the Learner, the tokenizer): LoRA adapters on the model at ``base_path``, whose reference
+    pi_ref is that model with the adapters off (no copy; a frozen copy only with
+    --full-finetune); AdamW with linear warmup and decay (Table 8)."""
     model, tokenizer = models.load_base_model(
         base_path,
         gradient_checkpointing=config.gradient_checkpointing,
@@ -306,10 +331,12 @@ def load_policy(config: Config, base_path: str):
         total_steps=config.steps,
         warmup_steps=int(config.warmup_ratio * config.steps),
     )
-    return policy, reference, optimizer, scheduler, tokenizer
+    generator = torch.Generator().manual_seed(config.seed)
+    learner = Learner(policy, reference, optimizer, scheduler, generator, tokenizer.pad_token_id)
+    return learner, tokenizer
 
 
-def start_engine(config: Config, base_path: str, policy, reference):
+def start_engine(config: Config, base_path: str, learner: Learner):
     """The rollout engine on the model at ``base_path``, with the policy's weights: bf16 on CUDA
     (as the memory plan counts it, even where --full-finetune trains float32 weights: the push
     casts them), float32 on the CPU; on CUDA it holds as many of a step's sequences as fit beside
@@ -333,12 +360,12 @@ def start_engine(config: Config, base_path: str, policy, reference):
         seed=config.seed,
         dtype=dtype,
         gpu_memory_utilization=config.gpu_memory_utilization or None,  # 0: the engine's default
-        trainer_bytes=models.resident_bytes(policy, reference),
-        model=policy if config.backend == "hf" else None,  # the HF backend samples from the policy
+        trainer_bytes=models.resident_bytes(learner.policy, learner.reference),
+        model=learner.policy if config.backend == "hf" else None,  # hf samples from the policy
         **limits,
     )
     if config.resume:  # a fresh policy equals the model the engine loaded (LoRA starts at B = 0)
-        engine.sync_weights(policy)
+        engine.sync_weights(learner.policy)
     return engine
 
 
@@ -414,23 +441,21 @@ def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (groups.max(dim=1).values - groups.min(dim=1).values) > 0
 
 
-def collect_rollouts(
-    engine, prompt_sampler, problems, config: Config, step: int, reward_function, timer
-):
+def collect_rollouts(engine, task: Task, config: Config, step: int, timer):
     """Prompts -> G rollouts each -> rewards, and the extras that act here (self-hints, DAPO's
     dynamic sampling). Returns (rollouts, rewards [N], metrics of the sampling)."""
 
     def sample(chosen: list[dict], seed: int) -> tuple[Rollouts, torch.Tensor]:
         rollouts = generate_rollouts(engine, chosen, config=config, seed=seed)
-        return rollouts, compute_rewards(rollouts, reward_function, config=config)
+        return rollouts, compute_rewards(rollouts, task.reward_function, config=config)
 
     def timed_sample(chosen: list[dict], seed: int) -> tuple[Rollouts, torch.Tensor]:
         with timer("rollout"):
             rollouts = generate_rollouts(engine, chosen, config=config, seed=seed)
         with timer("reward"):
-            return rollouts, compute_rewards(rollouts, reward_function, config=config)
+            return rollouts, compute_rewards(rollouts, task.reward_function, config=config)
 
-    chosen = [problems[i] for i in prompt_sampler.take(config.prompts_per_step)]
+    chosen = [task.problems[i] for i in task.sampler.take(config.prompts_per_step)]
     rollouts, rewards = timed_sample(chosen, rollout.rollout_seed(config.seed, step))
     metrics = {}
     if config.extras["hints"].self_hints:  # extras/hints.py
@@ -452,8 +477,8 @@ def collect_rollouts(
         from extras import dynamic_sampling
 
         rollouts, rewards, (sampled, without_signal) = dynamic_sampling.refill(
-            prompt_sampler,
-            problems,
+            task.sampler,
+            task.problems,
             first=(rollouts, rewards, (sampled, without_signal)),
             config=config,
             step=step,
@@ -658,25 +683,18 @@ def update_policy(
     return {**metrics.result(), "grad_norm": sum(grad_norms) / len(grad_norms)}
 
 
-def train_on(
-    policy,
-    reference,
-    optimizer,
-    rollouts: Rollouts,
-    rewards,
-    config: Config,
-    step,
-    generator,
-    timer,
-    pad_id: int,
-) -> dict:
+def train_on(learner: Learner, rollouts: Rollouts, rewards, config: Config, step, timer) -> dict:
     """Steps 2-4 of an RL step on its graded rollouts [N], rewards [N]: per micro-batch what the
     update holds fixed (pi_ref's log-probs; pi_old's and log q when they must come before it),
     the advantages, then the update itself; its metrics."""
-    batches = micro_batches(rollouts, config, pad_id=pad_id, device=policy.device)
+    policy, generator = learner.policy, learner.guide_generator
+    batches = micro_batches(rollouts, config, pad_id=learner.pad_id, device=policy.device)
     # 2. what the update holds fixed: pi_ref's log-probs (pi_old's, log q if needed)
     with timer("reference"):
-        held = [held_fixed_logps(policy, reference, batch, config=config) for _, batch in batches]
+        held = [
+            held_fixed_logps(policy, learner.reference, batch, config=config)
+            for _, batch in batches
+        ]
     # 3. advantages (with k1_return, of the returns the pseudo-KL shaped)
     advantages = step_advantages(
         rewards, batches, held=held, config=config, step=step, generator=generator
@@ -685,7 +703,7 @@ def train_on(
     with timer("update"):
         return update_policy(
             policy,
-            optimizer,
+            learner.optimizer,
             batches=batches,
             held=held,
             advantages=advantages,
@@ -697,8 +715,9 @@ def train_on(
 
 def evaluate_if_due(engine, policy, tokenizer, benchmarks, config: Config, logger, updates: int):
     """pass@k (and, with --eval-solution-key, the support probe) after ``updates`` optimizer
-    steps when --eval-every says so (evaluate.py); its rows to eval.jsonl and the trackers."""
-    if evaluate.due(config, benchmarks, updates=updates):
+    steps when --eval-every says so (evaluate.py); its rows to eval.jsonl and the trackers. No
+    benchmarks: evaluation is off."""
+    if benchmarks and evaluate.due(config, benchmarks, updates=updates):
         rows = evaluate.training_evaluation(
             engine, tokenizer, benchmarks, config, updates=updates, policy=policy
         )
@@ -710,56 +729,35 @@ def evaluate_if_due(engine, policy, tokenizer, benchmarks, config: Config, logge
 
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(argv)
-    (run_dir, forecast_gb), base_path = start_run(config), config.model
-    # App. E.2: the SFT warm start of a base model (--sft-only ends the run there)
-    if config.extras["sft"].sft_dataset:
+    run_dir, forecast_gb = start_run(config)
+    base_path = config.model
+    if config.extras["sft"].sft_dataset:  # App. E.2: the SFT warm start (--sft-only ends there)
         from extras import sft
 
         base_path = sft.warm_start(config, run_dir, wrap_lora=wrap_lora)
-    # ---- the policy and its reference, the problems, the optimizer, the engine ----
-    policy, reference, optimizer, scheduler, tokenizer = load_policy(config, base_path)
-    problems = load_problems(config, tokenizer)
-    guide_generator = torch.Generator().manual_seed(config.seed)
-    prompt_sampler = PromptSampler(len(problems), config.seed)
-    state = (policy, optimizer, scheduler, prompt_sampler, guide_generator)  # a checkpoint's
-    reward_function = load_reward_function(config.reward)
-    held_out = evaluate.training_benchmarks(config)  # what --eval-every evaluates
+    # ---- the policy, pi_ref and AdamW; the problems and the reward; the engine ----
+    learner, tokenizer = load_policy(config, base_path)
+    task = load_task(config, tokenizer)
+    held_out = evaluate.training_benchmarks(config) if config.eval.eval_every > 0 else {}
     runs.save_run_config(run_dir, config)  # the run can start: model, data and reward loaded
+    policy, optimizer, scheduler = learner.policy, learner.optimizer, learner.scheduler
+    state = (policy, optimizer, scheduler, task.sampler, learner.guide_generator)  # checkpointed
     start = runs.restore_or_start(config.resume, run_dir, state=state)
     logger = runs.RunLogger(config, run_dir, forecast_gb=forecast_gb)
     with runs.CountedMemory() as engine_memory:  # CUDA: what the engine keeps in torch's counters
-        engine = start_engine(config, base_path, policy=policy, reference=reference)
+        engine = start_engine(config, base_path, learner)
     if start == 0:  # pass@k (and the probe) of the starting policy, not again on a resume
         evaluate_if_due(engine, policy, tokenizer, held_out, config, logger=logger, updates=0)
     with tqdm(desc="rl", initial=start, total=config.steps) as progress:
         for step in range(start, config.steps):
             timer = runs.PhaseTimer(engine=engine_memory)  # the trainer's peaks, engine left out
             # 1. prompts -> G rollouts each -> rewards (and the extras that act here)
-            rollouts, rewards, metrics = collect_rollouts(
-                engine,
-                prompt_sampler,
-                problems=problems,
-                config=config,
-                step=step,
-                reward_function=reward_function,
-                timer=timer,
-            )
+            rollouts, rewards, metrics = collect_rollouts(engine, task, config, step, timer)
             with timer("sleep"):
                 engine.sleep(level=2)  # CUDA: drop the engine's weights and KV cache
             if rewards.numel() > 0:  # (dynamic sampling may leave no group with signal)
                 # 2-4. what the update holds fixed, the advantages, the update (AdamW)
-                metrics |= train_on(
-                    policy,
-                    reference,
-                    optimizer,
-                    rollouts=rollouts,
-                    rewards=rewards,
-                    config=config,
-                    step=step,
-                    generator=guide_generator,
-                    timer=timer,
-                    pad_id=tokenizer.pad_token_id,
-                )
+                metrics |= train_on(learner, rollouts, rewards, config, step=step, timer=timer)
             scheduler.step()
             # 5. the weight push into the engine
             with timer("sync"):

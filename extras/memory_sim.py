@@ -243,18 +243,15 @@ def train_on_step_rollouts(policy, reference, optimizer, config, model_config) -
     count = simulated_rows(config)
     rollouts = step_rollouts(config, model_config.get_text_config().vocab_size, count)
     rewards = torch.arange(count, dtype=torch.float32) % 2  # every group has signal
-    return sage.train_on(
+    learner = sage.Learner(
         policy,
         reference,
-        optimizer,
-        rollouts=rollouts,
-        rewards=rewards,
-        config=config,
-        step=0,
-        generator=torch.Generator().manual_seed(0),
-        timer=untimed,
+        optimizer=optimizer,
+        scheduler=None,
+        guide_generator=torch.Generator().manual_seed(0),
         pad_id=0,
     )
+    return sage.train_on(learner, rollouts, rewards, config, step=0, timer=untimed)
 
 
 def simulate_update(model_config, config, dtype: torch.dtype, device: str = "meta") -> dict:

@@ -168,7 +168,8 @@ def run_collect(self_hints: bool, answers=("12", "18")):
 
     sampler = task.PromptSampler(2, seed=0)
     sampler.take = lambda count: [0, 1]
-    result = sage.collect_rollouts(engine, sampler, problems, config, 0, reward, runs.PhaseTimer())
+    drawn_from = sage.Task(problems, sampler=sampler, reward_function=reward)
+    result = sage.collect_rollouts(engine, drawn_from, config, 0, runs.PhaseTimer())
     return engine, tokenizer, result, graded, result[2]
 
 

@@ -810,6 +810,14 @@ def test_on_cuda_the_engine_is_bf16_even_for_a_full_finetune(tiny, monkeypatch):
     config = sage.Config(model="tiny", full_finetune=True)
     for cuda in (False, True):  # what decides the device, forced both ways
         monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
-        sage.start_engine(config, "tiny", policy=model, reference=None)
+        learner = sage.Learner(
+            policy=model,
+            reference=None,
+            optimizer=None,
+            scheduler=None,
+            guide_generator=torch.Generator(),
+            pad_id=0,
+        )
+        sage.start_engine(config, "tiny", learner)
     assert next(model.parameters()).dtype == torch.float32
     assert [kwargs["dtype"] for kwargs in started] == ["float32", "bfloat16"]
