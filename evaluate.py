@@ -38,6 +38,7 @@ from machinery import cli, fast_logprobs, models
 from machinery import results as files
 from machinery.runs import write_json_atomic
 from machinery.task import (
+    SOLUTION_FORMATS,
     DataError,
     build_prompt_ids,
     default_pool,
@@ -199,7 +200,7 @@ class EvalConfig:
     eval_group_key: str = ""
     """Field of the --eval-benchmarks files that groups the problems (e.g. easy / hard) for the
     support probe's summaries."""
-    eval_solution_format: str = "paper"
+    eval_solution_format: str = field(default="paper", metadata={"choices": SOLUTION_FORMATS})
     """paper | prefix: y* is the solution in the paper's answer format and EOS, or the field's
     text as a completion prefix (the probe then measures log pi of that prefix)."""
 
@@ -791,7 +792,7 @@ class EvalArgs:
     group_key: str = ""
     """Column grouping the problems (e.g. easy / hard, MATH-500's level) for the support probe's
     summaries."""
-    solution_format: str = "paper"
+    solution_format: str = field(default="paper", metadata={"choices": SOLUTION_FORMATS})
     """paper | prefix: y* is the solution in the paper's answer format and EOS, or the column's
     text as a completion prefix (log pi of that prefix)."""
     limit: int | None = field(default=None, metadata={"range": ">= 1"})
@@ -837,7 +838,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         kind, work, prog = EvalArgs, evaluate_and_report, "evaluate.py"
     try:
-        args, _, _ = cli.parse_config(kind, argv, prog, description=kind.__doc__)
+        args, _, _ = cli.parse_config(kind, argv, prog=prog, description=kind.__doc__)
         if kind is EvalArgs:
             if problem := cli.check_eval_args(args):
                 raise EvalError(problem)  # before any model or benchmark loads

@@ -89,7 +89,7 @@ class Config:
     """Empty: Math-Verify (section 5.1); else module:function or file.py:function, f(completions,
     problems, answers) -> one float each."""
     # ---- the RL step ----
-    algo: str = "grpo"
+    algo: str = field(default="grpo", metadata={"choices": tuple(PRESETS)})
     """Preset: grpo | dapo | bnpo | dr_grpo, flags for advantage, aggregation, clip, KL."""
     steps: int = field(default=1000, metadata={"range": ">= 1"})
     """RL steps, each one AdamW step per --ppo-epochs pass (paper: 1,000)."""
@@ -153,7 +153,7 @@ class Config:
     """Continue from <out>/<name>/checkpoint exactly where the run stopped."""
     stop_after: int = field(default=0, metadata={"range": ">= 0"})
     """Stop after this many steps, checkpointed, for --resume later (0: run to the end)."""
-    backend: str = "vllm"
+    backend: str = field(default="vllm", metadata={"choices": rollout.BACKENDS})
     """Rollout engine: vllm | hf."""
     gpu_memory_utilization: float = field(default=0.0, metadata={"range": "in [0, 1)"})
     """vLLM's share of the GPU (0: 0.3); on CPU, of the RAM for its KV cache (0: 0.05)."""
@@ -194,7 +194,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
         sections=EXTRAS,
     )
     config.extras = sections
-    cli.check_config(config, presets=PRESETS, backends=rollout.BACKENDS, error=parser.error)
+    cli.check_config(config, error=parser.error)
     return config
 
 
@@ -215,7 +215,7 @@ def start_run(config: Config) -> tuple[str, float | None]:
         raise SystemExit(0)
     model = os.path.basename(config.model.rstrip("/"))
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
-    cli.check_run_dir(run_dir, config)
+    cli.check_run_dir(run_dir, config, with_reference=needs_reference(config))
     # On CUDA a run that cannot fit ends here; one that fits gets its forecast peak (no plan on CPU)
     on_cuda = torch.cuda.is_available()
     forecast_gb = memory_plan.before_loading(config, needs_reference(config)) if on_cuda else None

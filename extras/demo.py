@@ -338,9 +338,7 @@ def prepare(run_dir: str, seed: int, demo: DemoConfig) -> dict[str, str]:
     runs.write_jsonl_atomic(files["held_out"], held_out)
     if os.path.exists(os.path.join(files["model"], "config.json")):
         return files
-    from machinery import cli
-
-    max_seq_len = int(cli.flag_value(DEMO_FLAGS, "--max-seq-len", "640"))
+    max_seq_len = int(DEMO_FLAGS[DEMO_FLAGS.index("--max-seq-len") + 1])
     init_dir = save_tiny_model(
         os.path.join(run_dir, "init_model"),
         seed=seed,
@@ -406,23 +404,22 @@ def main(argv: list[str] | None = None) -> dict:
     )
     known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     demo = DemoConfig(**vars(known))
-    out, seed = cli.flag_value(rest, "--out", "runs"), int(cli.flag_value(rest, "--seed", "3407"))
-    run_dir = os.path.join(out, cli.flag_value(rest, "--name", "demo-grpo-branch"))
-    if os.path.exists(run_dir) and "--resume" not in rest and not demo.sft_only:
+    # the run's settings as sage.py reads them (its checks run there)
+    settings, _, _ = cli.parse_config(
+        sage.Config, [*DEMO_FLAGS, *rest], sections=sage.EXTRAS, prog="python -m extras.demo"
+    )
+    run_dir = os.path.join(settings.out, settings.name or "demo-grpo-branch")
+    if os.path.exists(run_dir) and not settings.resume and not demo.sft_only:
         print(f"demo: replacing the previous demo run in {run_dir}", file=sys.stderr)
         shutil.rmtree(run_dir)
-    files = prepare(run_dir, seed, demo)
+    files = prepare(run_dir, settings.seed, demo)
     if demo.sft_only:
         return files
-    result = sage.main(
-        [*sage_flags(files), "--out", out, "--name", os.path.basename(run_dir), *rest]
-    )
-    evaluated = int(cli.flag_value([*DEMO_FLAGS, *rest], "--eval-every", "100")) > 0
-    if not result["finished"] or not evaluated:  # (no evaluations: no before/after table)
+    name = os.path.basename(run_dir)
+    result = sage.main([*sage_flags(files), "--out", settings.out, "--name", name, *rest])
+    if not result["finished"] or settings.eval.eval_every == 0:  # no before/after table
         return result
-    steps = int(cli.flag_value([*DEMO_FLAGS, *rest], "--steps", "500"))
-    eval_n = int(cli.flag_value(rest, "--eval-n", "8"))
-    return write_demo_summary(run_dir, steps, eval_n)
+    return write_demo_summary(run_dir, settings.steps, settings.eval.eval_n)
 
 
 if __name__ == "__main__":

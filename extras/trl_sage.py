@@ -810,7 +810,10 @@ def check_args(args: TRLArgs, parser) -> None:
         parser.error("--max-prompt-len must be below --max-seq-len")
     if (problem := cli.torch_build_problem()) is not None:
         parser.error(problem)
-    cli.check_reward(args.reward, parser.error)
+    try:  # --reward's module and signature now, so that a typo costs no model load
+        load_reward_function(args.reward)
+    except RewardError as problem:
+        parser.error(str(problem))
     if args.full_finetune:
         anchored = args.kl != "none" and args.beta > 0
         try:

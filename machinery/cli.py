@@ -9,7 +9,8 @@ line (docs/implementation.md says why argparse, not HfArgumentParser or tyro):
 * a field whose type is itself a dataclass (``Config.loss: LossConfig``) contributes that
   dataclass's fields as flags of their own, so each chapter keeps its knobs beside its code;
 * ``metadata={"flag": "loss-agg"}`` renames a field's flag, ``{"flag": None}`` keeps it off the
-  command line (a value the program sets, not the user);
+  command line (a value the program sets, not the user), ``{"choices": (...)}`` lists the values
+  argparse accepts;
 * ``metadata={"range": ">= 1"}`` (or "> 0", "in [0, 1)", ...) is the field's range, checked by
   ``out_of_range`` on every instance the command line builds;
 * ``sections`` adds the knobs of optional features, returned beside the main instance.
@@ -33,9 +34,7 @@ import typing
 from collections.abc import Sequence
 
 from machinery import UsageError
-from machinery.task import LOCAL_FORMATS, SOLUTION_FORMATS, RewardError, load_reward_function
-
-SIMPLE_TYPES = (str, int, float, bool, list)
+from machinery.task import LOCAL_FORMATS, RewardError, load_reward_function
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -51,9 +50,9 @@ def field_docs(cls) -> dict[str, str]:
         return {}
     docs = {}
     for node, following in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(following, ast.Expr):
-            if isinstance(following.value, ast.Constant) and isinstance(following.value.value, str):
-                docs[node.target.id] = " ".join(following.value.value.split())
+        match node, following:
+            case ast.AnnAssign(target=ast.Name(id=name)), ast.Expr(ast.Constant(str(doc))):
+                docs[name] = " ".join(doc.split())
     return docs
 
 
@@ -63,39 +62,29 @@ def flag_of(item: dataclasses.Field) -> str | None:
     return flag and flag.replace("_", "-")
 
 
-def _argument_type(annotation):
-    """str, int, float, bool or list from ``int`` or ``float | None``; a dataclass as it is;
-    else None."""
-    if dataclasses.is_dataclass(annotation):
-        return annotation
-    if typing.get_origin(annotation) is tuple:  # (a schedule's bounds, say): no flag
-        return None
-    options = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
-    base = typing.get_origin(options[0]) or options[0]
-    return base if base in SIMPLE_TYPES else None
-
-
 def _add_flags(parser, cls, nested: bool) -> None:
-    """A flag per field of ``cls``, the fields of a nested dataclass in a group of their own."""
+    """A flag per str, int, float or bool field of ``cls`` (``float | None`` too), the fields of a
+    nested dataclass in a group of their own; other types (a schedule's bounds, a dict): no flag."""
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
     group = parser.add_argument_group(inspect.getdoc(cls).splitlines()[0]) if nested else parser
     for item in dataclasses.fields(cls):
-        kind, flag = _argument_type(hints[item.name]), flag_of(item)
-        if dataclasses.is_dataclass(kind):
-            _add_flags(parser, kind, nested=True)
-            continue
-        if kind is None or flag is None:
-            continue
+        kind, flag = hints[item.name], flag_of(item)
+        if type(None) in typing.get_args(kind):  # float | None: a float
+            kind = typing.get_args(kind)[0]
         has_default = item.default is not dataclasses.MISSING
         shown = f" (default: {item.default!r})" if has_default else ""
         help_text = docs.get(item.name, "") + shown
         if item.metadata.get("positional"):
             group.add_argument(item.name, nargs="+", help=help_text)
-        elif kind is bool:
-            group.add_argument("--" + flag, action=argparse.BooleanOptionalAction, help=help_text)
-        else:
+        elif dataclasses.is_dataclass(kind):
+            _add_flags(parser, kind, nested=True)
+        elif kind in (str, int, float, bool) and flag:
             required = not has_default and item.default_factory is dataclasses.MISSING
-            group.add_argument("--" + flag, type=kind, required=required, help=help_text)
+            typed = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
+            choices = item.metadata.get("choices")
+            group.add_argument(
+                "--" + flag, required=required, choices=choices, help=help_text, **typed
+            )
 
 
 def _build(cls, given: dict):
@@ -114,40 +103,25 @@ def _build(cls, given: dict):
     return instance
 
 
-def build_parser(
-    cls,
-    prog: str,
-    description: str = "",
-    epilog: str | None = None,
-    sections: dict[str, type] | None = None,
-) -> argparse.ArgumentParser:
-    """An argparse parser whose options are the fields of ``cls`` and of ``sections`` (defaults
-    suppressed: it returns only the values given)."""
-    parser = argparse.ArgumentParser(
-        prog=prog, description=description, epilog=epilog, argument_default=argparse.SUPPRESS
-    )
+def build_parser(cls, sections: dict[str, type] | None = None, **parser_args):
+    """An argparse parser (``parser_args``: prog, description, epilog) whose options are the
+    fields of ``cls`` and of ``sections``; defaults suppressed: it returns the values given."""
+    parser = argparse.ArgumentParser(argument_default=argparse.SUPPRESS, **parser_args)
     _add_flags(parser, cls, nested=False)
     for section in (sections or {}).values():
         _add_flags(parser, section, nested=True)
     return parser
 
 
-def parse_config(
-    cls,
-    argv: Sequence[str] | None,
-    prog: str,
-    description: str = "",
-    epilog: str | None = None,
-    sections: dict[str, type] | None = None,
-):
+def parse_config(cls, argv: Sequence[str] | None, sections: dict | None = None, **parser_args):
     """(an instance of ``cls``, {name: an instance of each section}, the parser) from ``argv``.
 
     >>> import rollout
     >>> parse_config(rollout.SamplingConfig, ["--n", "4", "--min-p", "0.1"], prog="demo")[0].n
     4
     """
-    parser = build_parser(cls, prog, description, epilog, sections)
-    given = vars(parser.parse_args(None if argv is None else list(argv)))
+    parser = build_parser(cls, sections, **parser_args)
+    given = vars(parser.parse_args(argv))
     try:  # a value out of range, or a dataclass's own check: one line, as argparse's own
         built = {name: _build(section, given) for name, section in (sections or {}).items()}
         return _build(cls, given), built, parser
@@ -225,142 +199,102 @@ def run(main) -> None:
         sys.exit(f"error: {error}")
 
 
-def expand_preset(
-    argv: list[str], presets: dict[str, list[str]], default_guide: str = "none"
-) -> list[str]:
+def expand_preset(argv: list[str], presets: dict, default_guide: str = "none") -> list[str]:
     """The user's flags after their --algo preset's flags, so that the user's win. A guide acts
     only through the KL anchor, so a preset's ``--kl none`` is dropped when a guide is on
     (``default_guide`` when --guide is not given).
 
     >>> presets = {"b": ["--advantage", "x", "--kl", "none"]}
-    >>> expand_preset(["--algo", "b", "--guide", "branch"], presets)
-    ['--advantage', 'x', '--algo', 'b', '--guide', 'branch']
+    >>> expand_preset(["--algo", "b", "--guide=branch"], presets)
+    ['--advantage', 'x', '--algo', 'b', '--guide=branch']
     >>> expand_preset(["--algo", "b", "--guide", "none"], presets, default_guide="branch")
     ['--advantage', 'x', '--kl', 'none', '--algo', 'b', '--guide', 'none']
     """
-    algo, guide = flag_value(argv, "--algo", "grpo"), flag_value(argv, "--guide", default_guide)
-    preset = presets.get(algo, [])  # an unknown --algo: the flag checks say so
-    if guide != "none" and "--kl" in preset:
+    first = argparse.ArgumentParser(add_help=False)  # --algo and --guide, the rest left alone
+    first.add_argument("--algo", nargs="?")  # (a missing value: the full parser says so)
+    first.add_argument("--guide", nargs="?", default=default_guide)
+    chosen = first.parse_known_args(argv)[0]
+    preset = presets.get(chosen.algo, [])  # no --algo (grpo's), or an unknown one: none
+    if chosen.guide != "none" and "--kl" in preset:
         at = preset.index("--kl")
         preset = preset[:at] + preset[at + 2 :]
     return [*preset, *argv]
 
 
-def flag_value(argv: list[str], flag: str, default: str) -> str:
-    """The last value given to ``flag`` (``--flag v`` or ``--flag=v``), else ``default``.
-
-    >>> flag_value(["--steps", "3", "--steps=5"], "--steps", "1")
-    '5'
-    """
-    value = default
-    for index, item in enumerate(argv):
-        if item == flag and index + 1 < len(argv):
-            value = argv[index + 1]
-        elif item.startswith(flag + "="):
-            value = item.split("=", 1)[1]
-    return value
-
-
 # ---- What a flag's value names: local files, the reward, this machine's torch ------------------
 
-
-def looks_local(path: str) -> bool:
-    """A path meant for this machine rather than a hub name ("org/name").
-
-    >>> looks_local("Qwen/Qwen2.5-Math-7B"), looks_local("./runs/sft_model"), looks_local("x.jsonl")
-    (False, True, True)
-    """
-    local_start = path.startswith(("/", ".", "~")) or path.count("/") > 1
-    return local_start or os.path.splitext(path)[1].lower() in LOCAL_FORMATS or path.endswith(".py")
-
-
-def local_files(names: str) -> list[str]:
-    """The local data files among comma-separated benchmark names.
-
-    >>> local_files("aime, held.jsonl")
-    ['held.jsonl']
-    """
-    entries = [name.strip() for name in names.split(",")]
-    return [name for name in entries if os.path.splitext(name)[1].lower() in LOCAL_FORMATS]
+MODEL, DATA = "a local model directory or a hub name", "a local data file or a hub dataset"
+BENCHMARKS = "benchmark names or local files"
 
 
 def missing_path(flag: str, path: str, what: str) -> str | None:
-    """The one line for a local ``path`` that does not exist (a hub name is checked when it
-    loads), else None."""
-    if path and looks_local(path) and not os.path.exists(os.path.expanduser(path)):
-        return f"{flag} {path}: no such file or directory; pass {what}"
+    """The one line for a local ``path`` (not a hub name, "org/name", which is checked when it
+    loads) that does not exist, else None.
+
+    >>> missing_path("--model", "Qwen/Qwen2.5-Math-7B", MODEL) is None
+    True
+    >>> missing_path("--model", "./no/such", MODEL)
+    '--model ./no/such: no such file or directory; pass a local model directory or a hub name'
+    """
+    local = path.startswith(("/", ".", "~")) or path.count("/") > 1
+    if local or os.path.splitext(path)[1].lower() in LOCAL_FORMATS:
+        if not os.path.exists(os.path.expanduser(path)):
+            return f"{flag} {path}: no such file or directory; pass {what}"
     return None
 
 
-MODEL, DATA = "a local model directory or a hub name", "a local data file or a hub dataset"
-
-
-def check_config(config, presets: dict, backends: Sequence[str], error) -> None:
+def check_config(config, error) -> None:
     """Call ``error(message)`` for the first setting of ``config`` (a ``sage.Config``, its ranges
-    checked as it was built) that cannot run; ``presets`` are the --algo names, ``backends`` the
-    --backend ones."""
-    guide, kl, evaluation = config.guide.name, config.loss.kl, config.eval
-    sft, refill = config.extras.get("sft"), config.extras.get("dynamic_sampling")
-    budget = config.max_seq_len - config.max_prompt_len
-    if config.algo not in presets:
-        error(f"unknown --algo {config.algo!r}: choose one of {', '.join(presets)}")
+    and choices checked as it was built) that cannot run."""
+    guide, anchor, evaluation = config.guide.name, config.loss, config.eval
+    sft, budget = config.extras["sft"], config.max_seq_len - config.max_prompt_len
     if not config.model:
         error(
             "--model is required: a hub name or a local model directory "
             "(for the CPU demo run `make demo`)"
         )
-    if config.backend not in backends:
-        error(f"unknown --backend {config.backend!r}: choose one of {', '.join(backends)}")
     if budget <= 0:
         error("--max-prompt-len must be below --max-seq-len")
-    if guide != "none" and (kl == "none" or config.loss.beta == 0):
+    if guide != "none" and (anchor.kl == "none" or anchor.beta == 0):
         error(f"--guide {guide} acts only through the KL anchor: use --kl reverse with --beta > 0")
-    if config.loss.kl_estimator == "k1_return" and kl != "reverse":
-        error("--kl-estimator k1_return needs --kl reverse")
-    if sft is not None and sft.sft_only and not sft.sft_dataset:
+    if sft.sft_only and not sft.sft_dataset:
         error("--sft-only needs --sft-dataset")
     if evaluation.eval_every > 0 and not evaluation.eval_benchmarks:
         error(
             "--eval-every needs --eval-benchmarks (names such as aime, or local .jsonl files with "
             "problem and answer fields)"
         )
-    if evaluation.eval_solution_format not in SOLUTION_FORMATS:
-        error(
-            f"unknown --eval-solution-format {evaluation.eval_solution_format!r}: choose one of "
-            f"{', '.join(SOLUTION_FORMATS)}"
-        )
     if evaluation.eval_solution_key and not (config.top_p == 1.0 and config.top_k <= 0):
         error(
             "--eval-solution-key: the support probe replays the sampler's temperature and min-p, "
             "not top-p or top-k; train with --top-p 1.0 --top-k -1 (the paper's) to probe it"
         )
-    if refill is not None and refill.overlong_buffer >= budget:
+    if config.extras["dynamic_sampling"].overlong_buffer >= budget:
         error(
             f"--overlong-buffer must be below the completion budget (--max-seq-len minus "
             f"--max-prompt-len = {budget})"
         )
     paths = [("--model", config.model, MODEL), ("--dataset", config.dataset, DATA)]
-    paths += [("--sft-dataset", sft.sft_dataset, DATA)] if sft is not None else []
-    for name in local_files(evaluation.eval_benchmarks):
-        paths.append(("--eval-benchmarks", name, "benchmark names or local files"))
+    paths += [("--sft-dataset", sft.sft_dataset, DATA)]
+    benchmarks = evaluation.eval_benchmarks.split(",")
+    paths += [("--eval-benchmarks", name.strip(), BENCHMARKS) for name in benchmarks]
     for path in paths:
-        if (problem := missing_path(*path)) is not None:
+        if problem := missing_path(*path):
             error(problem)
-    check_reward(config.reward, error)
-    check_device(error)
-    if (problem := torch_build_problem()) is not None:
+    try:  # --reward's module and signature now, so that a typo costs no model load
+        load_reward_function(config.reward)
+    except RewardError as problem:
+        error(str(problem))
+    if problem := torch_build_problem():
         error(problem)
 
 
 def check_eval_args(args) -> str | None:
-    """evaluate.py's flags (an ``EvalArgs``, its ranges checked as it was built) that cannot run,
-    then the torch build: one line, else None."""
+    """evaluate.py's flags (an ``EvalArgs``, its ranges and choices checked as it was built) that
+    cannot run, then the torch build: one line, else None."""
     seeds = [seed.strip() for seed in str(args.seeds).split(",") if seed.strip()]
     if not all(seed.isdigit() for seed in seeds):
         return f"--seeds {args.seeds}: write comma-separated integers >= 0 such as 0,1,2"
-    if args.solution_format not in SOLUTION_FORMATS:
-        choices = ", ".join(SOLUTION_FORMATS)
-        return f"unknown --solution-format {args.solution_format!r}: choose one of {choices}"
     if args.solution_key and not (args.top_p == 1.0 and args.top_k <= 0):
         return (
             f"--solution-key with --top-p {args.top_p} --top-k {args.top_k}: the support probe "
@@ -368,8 +302,7 @@ def check_eval_args(args) -> str | None:
             "that it measures the distribution the sampler draws from"
         )
     paths = [("--model", args.model, MODEL), ("--adapter", args.adapter or "", "a peft adapter")]
-    for name in local_files(args.benchmarks):
-        paths.append(("--benchmarks", name, "benchmark names or local files"))
+    paths += [("--benchmarks", name.strip(), BENCHMARKS) for name in args.benchmarks.split(",")]
     missing = (missing_path(*path) for path in paths)
     return next(filter(None, missing), None) or torch_build_problem()
 
@@ -383,59 +316,42 @@ def nvidia_gpu_visible() -> bool:
 
 
 def torch_build_problem() -> str | None:
-    """A CPU build of torch on a machine with an NVIDIA GPU (a .venv made on a CPU login node)
-    would train or sample a 7B on the CPU in float32 without a word: the one line that refuses
-    it, else None. sage.py, evaluate.py, extras/trl_sage.py and bench/gpu_step.py all ask here."""
+    """A torch that cannot use this machine's NVIDIA GPU would train or sample a 7B on the CPU in
+    float32 without a word: the one line that refuses it, else None. sage.py, evaluate.py,
+    extras/trl_sage.py and bench/gpu_step.py all ask here."""
     import torch
 
-    if torch.version.cuda is None and nvidia_gpu_visible():
+    if not nvidia_gpu_visible() or torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:  # a .venv made on a CPU login node
         return (
             f"torch {torch.__version__} is a CPU build but this machine has an NVIDIA GPU (the "
             "work would run on the CPU in float32): run `make clean install` on this node"
         )
-    return None
+    return (
+        f"torch {torch.__version__} is a CUDA build but sees no GPU: vLLM 0.32's CUDA 13 build "
+        "needs NVIDIA driver >= 580 (see nvidia-smi); to run on the CPU, set "
+        'CUDA_VISIBLE_DEVICES=""'
+    )
 
 
-def check_device(error) -> None:
-    """A CUDA build of torch that sees no GPU (a driver too old for it, say) would train a 7B on
-    the CPU without a word: stop instead (CUDA_VISIBLE_DEVICES="" hides the GPUs on purpose)."""
-    import torch
-
-    if torch.version.cuda and not torch.cuda.is_available():
-        if os.environ.get("CUDA_VISIBLE_DEVICES") != "":
-            error(
-                f"torch {torch.__version__} is a CUDA build but sees no GPU: vLLM 0.32's CUDA 13 "
-                "build needs NVIDIA driver >= 580 (see nvidia-smi); to run on the CPU, set "
-                'CUDA_VISIBLE_DEVICES=""'
-            )
-
-
-def check_reward(spec: str, error) -> None:
-    """Import --reward now (its module, its signature), so a typo costs no model load."""
-    try:
-        load_reward_function(spec)
-    except RewardError as problem:
-        error(str(problem))
-
-
-def check_run_dir(run_dir: str, config) -> None:
+def check_run_dir(run_dir: str, config, with_reference: bool) -> None:
     """Before anything loads, and before the memory plan (these are cheaper and say more): a
     checkpoint is continued only with --resume, --resume needs one, and the weights of a
-    --full-finetune model must fit the device."""
+    --full-finetune model (and its reference, ``with_reference``) must fit the device."""
     from machinery import models, runs
 
-    if not config.resume and os.path.exists(runs.checkpoint_dir(run_dir)):
+    checkpoint = runs.checkpoint_dir(run_dir)
+    if os.path.exists(checkpoint) and not config.resume:
         raise SystemExit(
             f"error: {run_dir} already holds a checkpoint; pass --resume to continue it or "
             "--name for a new run"
         )
     if config.resume and not runs.has_checkpoint(run_dir):
         raise SystemExit(
-            f"error: --resume but no checkpoint in {runs.checkpoint_dir(run_dir)}; drop --resume "
-            "to start fresh"
+            f"error: --resume but no checkpoint in {checkpoint}; drop --resume to start fresh"
         )
     if config.full_finetune:
-        anchored = config.loss.kl != "none" and config.loss.beta > 0
         models.check_full_finetune_fits(
-            config.model, with_reference=anchored, with_engine=config.backend == "vllm"
+            config.model, with_reference=with_reference, with_engine=config.backend == "vllm"
         )

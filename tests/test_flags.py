@@ -69,7 +69,10 @@ def test_the_sweep_covers_every_numeric_flag():
         (["--overlong-buffer", "5000"], "--overlong-buffer must be below the completion budget"),
         (["--eval-every", "10"], "--eval-every needs --eval-benchmarks"),
         (["--eval-solution-key", "w", "--top-p", "0.9"], "not top-p or top-k; train with"),
-        (["--eval-solution-format", "raw"], "unknown --eval-solution-format 'raw'"),
+        (
+            ["--eval-solution-format", "raw"],
+            "argument --eval-solution-format: invalid choice: 'raw'",
+        ),
     ],
 )
 def test_missing_paths_and_impossible_combinations(argv, message, capsys):
@@ -148,7 +151,6 @@ def test_a_bad_flag_is_refused_before_transformers_peft_or_vllm_is_imported():
     [
         (["--top-p", "0.95"], "replays temperature and min-p, not top-p or top-k"),
         (["--top-p", "1.0", "--top-k", "20"], "pass --top-p 1.0 --top-k -1"),
-        (["--top-p", "1.0", "--solution-format", "raw"], "unknown --solution-format 'raw'"),
     ],
 )
 def test_evaluate_refuses_a_probe_that_would_not_measure_the_sampler(argv, message, capsys):
@@ -160,6 +162,16 @@ def test_evaluate_refuses_a_probe_that_would_not_measure_the_sampler(argv, messa
     code = evaluate.main(["--model", "m", "--benchmarks", "aime", "--solution-key", "s", *argv])
     error = capsys.readouterr().err
     assert code == 2 and message in error and len(error.strip().splitlines()) == 1
+
+
+def test_evaluate_refuses_an_unknown_solution_format_as_argparse_does(capsys):
+    import evaluate
+
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(["--model", "m", "--solution-key", "s", "--solution-format", "raw"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2
+    assert last.startswith("evaluate.py: error: argument --solution-format: invalid choice: 'raw'")
 
 
 def test_a_cpu_torch_beside_an_nvidia_gpu_is_refused_by_every_entry_point(
@@ -192,6 +204,18 @@ def test_a_cpu_torch_beside_an_nvidia_gpu_is_refused_by_every_entry_point(
     assert not (tmp_path / "out").exists() and not (tmp_path / "r.json").exists()
     monkeypatch.setattr(cli, "nvidia_gpu_visible", lambda: False)
     assert cli.torch_build_problem() is None  # a CPU machine: nothing to say
+
+
+def test_a_cuda_torch_that_sees_no_gpu_is_refused_where_there_is_one(monkeypatch):
+    """A CUDA build whose driver is too old for it sees no GPU: one line, the driver named."""
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cli, "nvidia_gpu_visible", lambda: True)
+    assert re.search(r"CUDA build but sees no GPU: .*driver >= 580", cli.torch_build_problem())
+    monkeypatch.setattr(cli, "nvidia_gpu_visible", lambda: False)  # no GPU, or hidden on purpose
+    assert cli.torch_build_problem() is None
 
 
 def test_hiding_every_gpu_on_purpose_is_no_visible_gpu(monkeypatch):

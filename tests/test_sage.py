@@ -118,7 +118,8 @@ def test_the_model_is_required_and_the_demo_is_named(capsys):
     [
         (["--guide", "entropy"], "unknown --guide"),
         (["--kl-estimator", "k4"], "unknown --kl-estimator"),
-        (["--algo", "ppo"], "unknown --algo"),
+        (["--algo", "ppo"], "argument --algo: invalid choice: 'ppo'"),
+        (["--backend", "tpu"], "argument --backend: invalid choice: 'tpu'"),
         (["--rollouts", "1"], "--rollouts 1: must be a finite number >= 2"),
         (["--guide", "branch", "--beta", "0"], "acts only through the KL anchor"),
         (["--q-min", "1.2"], "--q-min 1.2: must be a finite number in (0, 1]"),
