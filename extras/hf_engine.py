@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 import torch
+from peft import PeftModel
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -25,15 +26,7 @@ from transformers import (
 )
 
 from machinery.vllm_backend import check_prompts, context_length, load_model_config
-from rollout import (
-    Completion,
-    RolloutError,
-    SamplingConfig,
-    engine_weights,
-    group_completions,
-    is_peft_model,
-    rollout_errors,
-)
+from rollout import Completion, RolloutError, SamplingConfig, engine_weights, group_completions
 
 
 def sampling_processors(sampling: SamplingConfig) -> list:
@@ -100,10 +93,8 @@ class HFEngine:
         seed: int = 0,
         model: torch.nn.Module | None = None,
     ):
-        path = os.fspath(model_path)
-        with rollout_errors():
-            config = load_model_config(path)
-        self.model_path = path
+        self.model_path = path = os.fspath(model_path)
+        config = load_model_config(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if model is None:
             torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
@@ -153,8 +144,7 @@ class HFEngine:
         self, prompts: list[list[int]], sampling: SamplingConfig
     ) -> list[list[Completion]]:
         """[num_prompts][n] completions; prompts are left-padded into one batch."""
-        with rollout_errors():
-            check_prompts(prompts, self.max_model_len)
+        check_prompts(prompts, self.max_model_len)
         budgets = [min(sampling.max_tokens, self.max_model_len - len(prompt)) for prompt in prompts]
         width = max(len(prompt) for prompt in prompts)
         device = next(self.model.parameters()).device
@@ -218,14 +208,14 @@ class HFEngine:
         """Copy the trainer's weights into this engine's model (a no-op if it is that model)."""
         if model is self.model:
             return
-        if is_peft_model(self.model):
+        if isinstance(self.model, PeftModel):
             raise RolloutError(
                 "this hf engine generates through a peft model, it cannot take other weights: "
                 "pass the trainer's model itself as make_engine(model=...)"
             )
         targets = dict(self.model.named_parameters())
-        with engine_weights(model) as weights, torch.no_grad():
-            for name, tensor in weights:
+        with torch.no_grad():
+            for name, tensor in engine_weights(model):
                 if name not in targets or targets[name].shape != tensor.shape:
                     raise RolloutError(
                         f"weight {name} {tuple(tensor.shape)} does not fit the engine's model: "

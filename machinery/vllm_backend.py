@@ -1,10 +1,9 @@
 """What the rollout engine (vLLM, in this process) needs checked and fixed on its backend.
 
-The checks turn the usual mistakes into one-line ``CheckError``s (rollout.py raises them on as
-``rollout.RolloutError``; this module imports no chapter): a sampler setting out of range, a
-missing or corrupt model directory, a prompt that is not token ids or does not fit the context,
-a weight push that runs out of memory or does not fit the engine's model, a CPU head size
-without kernels, a KV cache larger than the free RAM. The hf backend (extras/hf_engine.py) runs
+The checks turn the usual mistakes into one-line ``CheckError``s (``rollout.RolloutError``; this
+module imports no chapter): a sampler setting out of range, a missing or corrupt model
+directory, a prompt that is not token ids or does not fit the context, a CPU head size without
+kernels, a KV cache larger than the free RAM. The hf backend (extras/hf_engine.py) runs
 the same input checks, so both say the same line. Failures vLLM itself names in one line (a
 share of the GPU too small for the KV cache, an empty prompt, a token outside the vocabulary)
 are left to it.
@@ -28,20 +27,15 @@ import warnings
 import psutil
 import torch
 
+from machinery import UsageError
 
-class CheckError(ValueError):
+
+class CheckError(UsageError):
     """A one-line problem with what a rollout engine was given, and the fix."""
 
 
 def check_sampling(sampling) -> None:
-    """Each knob of a ``rollout.SamplingConfig`` in its range (called as it is built).
-
-    >>> import rollout
-    >>> rollout.SamplingConfig(top_p=0.0)
-    Traceback (most recent call last):
-    ...
-    rollout.RolloutError: top_p must be in (0, 1] (1 turns it off), got 0.0
-    """
+    """Each knob of a ``rollout.SamplingConfig`` in its range (called as it is built)."""
     if not isinstance(sampling.n, numbers.Integral) or sampling.n < 1:
         raise CheckError(f"n must be an integer >= 1 (completions per prompt), got {sampling.n!r}")
     if sampling.temperature < 0:
@@ -77,8 +71,7 @@ def looks_like_hub_id(path: str) -> bool:
 
 def load_model_config(path: str):
     """The model's transformers config, after checking that a local directory is complete: a
-    config.json that reads, weight files, and safetensors headers that read (a truncated
-    download does not; nothing is loaded)."""
+    config.json, weights, and safetensors headers that read (a truncated download's do not)."""
     from safetensors import safe_open
     from transformers import AutoConfig
 
@@ -102,8 +95,7 @@ def load_model_config(path: str):
         raise CheckError(f"no weights in {path!r}: expected the *.safetensors of save_pretrained")
     for shard in shards:
         try:
-            with safe_open(shard, framework="pt") as weights:
-                weights.keys()
+            safe_open(shard, framework="pt")  # reads the header only
         except Exception as error:
             raise CheckError(
                 f"corrupt weights file {shard!r} ({one_line(error)}): save the model again"
@@ -113,15 +105,14 @@ def load_model_config(path: str):
 
 def context_length(max_model_len: int, config) -> int:
     """max_model_len, capped at the model's max_position_embeddings (with a warning)."""
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if limit is not None and max_model_len > limit:
+    limit = config.get_text_config().max_position_embeddings
+    if max_model_len > limit:
         warnings.warn(
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {limit}; "
             f"using {limit}",
             stacklevel=3,
         )
-        return int(limit)
-    return int(max_model_len)
+    return min(max_model_len, limit)
 
 
 def check_prompts(prompts, max_model_len: int) -> None:
@@ -147,31 +138,11 @@ def check_prompts(prompts, max_model_len: int) -> None:
             )
 
 
-def push_error_message(error: BaseException, model_path: str) -> str:
-    """The one-line message for a failed weight push: out of memory (a RuntimeError too), else an
-    architecture mismatch."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return (
-            f"out of memory pushing the weights into the engine ({one_line(error)}): lower "
-            "gpu_memory_utilization or the trainer's micro-batch to leave room for the merged "
-            "weights"
-        )
-    return (
-        f"cannot push the weights into the engine ({one_line(error)}): sync a model of the "
-        f"same architecture as {model_path!r}"
-    )
-
-
 def force_in_process_engine() -> None:
     """Run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), whatever the
     environment says: an engine in another process could not receive the pushed tensors."""
-    value = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    if value != "0":
-        warnings.warn(
-            f"VLLM_ENABLE_V1_MULTIPROCESSING is set to {value!r}; the colocated engine needs 0, "
-            "using 0",
-            stacklevel=3,
-        )
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        warnings.warn("VLLM_ENABLE_V1_MULTIPROCESSING: the colocated engine needs 0, using 0")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
@@ -256,13 +227,9 @@ def keep_torch_threads():
 
 
 def repack_cpu_embedding_gemms(worker) -> None:
-    """Redo the CPU packing of the embedding-shaped GEMMs after a push (runs on the worker:
-    ``llm.collective_rpc``).
-
-    The CPU backend computes the lm_head's logits from a prepacked copy of its weight. With tied
-    embeddings (Qwen2.5 up to 3B, the tiny test model) ``reload_weights`` loads embed_tokens,
-    skips lm_head, and the copy stays stale: the engine would sample from the old output layer.
-    """
+    """Repack the CPU backend's copy of the lm_head weight after a push (on the worker, through
+    ``llm.collective_rpc``): with tied embeddings the push writes embed_tokens only, and the
+    engine would sample from the old output layer (docs/vllm-cpu.md)."""
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     for module in worker.model_runner.get_model().modules():

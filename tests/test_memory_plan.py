@@ -7,6 +7,8 @@ import copy
 import dataclasses
 import json
 import os
+import sys
+import types
 
 import pytest
 import torch
@@ -343,9 +345,8 @@ def test_on_cuda_the_trainers_engine_starts_with_the_sequences_that_fit(monkeypa
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: trainer_bytes)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     started = {}
-    monkeypatch.setattr(
-        rollout.VLLMEngine, "_start", lambda self, kwargs, starting: started.update(kwargs)
-    )
+    fake_vllm = types.SimpleNamespace(LLM=lambda **kwargs: started.update(kwargs))
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm)  # no engine starts: its arguments only
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: None)
     limits = rollout.engine_limits(prompts_per_call=8, n=8, max_prompt_len=512, max_model_len=8192)
     rollout.VLLMEngine("/a/7b", max_model_len=8192, **limits)

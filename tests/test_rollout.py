@@ -219,10 +219,9 @@ def test_engine_weights_of_a_lora_model_are_the_merged_weights_and_leave_the_bas
     with torch.no_grad():
         adapted_logits = peft_model(probe).logits
 
-    with rollout.engine_weights(peft_model) as weights:
-        weights = list(weights)  # one pass, as the engine consumes them
-        names = [name for name, _ in weights]
-        pushed = dict(weights)["model.layers.0.self_attn.q_proj.weight"].clone()
+    weights = list(rollout.engine_weights(peft_model))  # one pass, as the engine consumes them
+    names = [name for name, _ in weights]
+    pushed = dict(weights)["model.layers.0.self_attn.q_proj.weight"].clone()
     assert names == [name for name, _ in base_model.named_parameters()]  # base names, no lora_*
     # peft scales B A after the product, the test B before it (by 2, exact): the rank-r sums
     # differ in order only, each entry one add to W more (tests/bounds.py)
@@ -242,16 +241,16 @@ def test_engine_weights_of_a_lora_model_are_the_merged_weights_and_leave_the_bas
 def test_a_push_into_a_bf16_engine_casts_float32_weights_one_tensor_at_a_time(base_model):
     """--full-finetune trains float32 weights; the engine on CUDA is bf16: each pushed tensor is
     the weight (or the merged LoRA weight) rounded to bf16, and the trainer's stay float32."""
-    with rollout.engine_weights(base_model, dtype=torch.bfloat16) as weights:
-        for (name, pushed), parameter in zip(weights, base_model.parameters()):
-            assert pushed.dtype == torch.bfloat16, name
-            assert torch.equal(pushed, parameter.detach().to(torch.bfloat16)), name
+    weights = rollout.engine_weights(base_model, dtype=torch.bfloat16)
+    for (name, pushed), parameter in zip(weights, base_model.parameters()):
+        assert pushed.dtype == torch.bfloat16, name
+        assert torch.equal(pushed, parameter.detach().to(torch.bfloat16)), name
     assert all(p.dtype == torch.float32 for p in base_model.parameters())
     peft_model = lora_policy(base_model, seed=0)
-    with rollout.engine_weights(peft_model) as weights:
-        merged = dict(weights)["model.layers.0.mlp.up_proj.weight"].clone()
-    with rollout.engine_weights(peft_model, dtype=torch.bfloat16) as weights:
-        pushed = dict(weights)["model.layers.0.mlp.up_proj.weight"]
+    merged = dict(rollout.engine_weights(peft_model))["model.layers.0.mlp.up_proj.weight"]
+    pushed = dict(rollout.engine_weights(peft_model, dtype=torch.bfloat16))[
+        "model.layers.0.mlp.up_proj.weight"
+    ]
     assert pushed.dtype == torch.bfloat16 and torch.equal(pushed, merged.to(torch.bfloat16))
 
 
