@@ -55,11 +55,7 @@ class ModelError(UsageError):
 def resolve_model(model: str) -> str:
     """``model`` as the loaders take it: a short name (any case) with its organization; a hub
     name neither cached nor answered within ``REACH_TIMEOUT_S`` is a ModelError (HF_HUB_OFFLINE=1
-    never asks).
-
-    >>> resolve_model("runs/sft/sft_model")  # not there yet, and no hub name: the loader says so
-    'runs/sft/sft_model'
-    """
+    never asks)."""
     from huggingface_hub import constants, model_info, try_to_load_from_cache
     from huggingface_hub.errors import HfHubHTTPError
 

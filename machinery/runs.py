@@ -21,7 +21,6 @@ import math
 import os
 import random
 import shutil
-import tempfile
 import time
 
 import torch
@@ -46,23 +45,17 @@ SUBPROCESS_ENV = {
 
 @contextlib.contextmanager
 def atomic_output(path: str, mode: str = "w"):
-    """A temporary file next to ``path``, renamed over it on success with the permissions a plain
-    ``open`` gives."""
-    directory = os.path.dirname(os.path.abspath(path))
+    """A file written as ``.tmp-<name>`` beside ``path``, renamed over it on success."""
+    directory, name = os.path.split(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile(
-        mode, dir=directory, prefix=".tmp-", suffix=os.path.splitext(path)[1], delete=False
-    )
+    temporary = os.path.join(directory, f".tmp-{name}")
     try:
-        with handle:
+        with open(temporary, mode) as handle:
             yield handle
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(handle.name, 0o666 & ~umask)
-        os.replace(handle.name, path)
-    except BaseException:
-        os.unlink(handle.name)
-        raise
+        os.replace(temporary, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):  # (not there once renamed)
+            os.remove(temporary)
 
 
 def write_json_atomic(path: str, payload) -> None:
