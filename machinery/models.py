@@ -194,6 +194,15 @@ def resident_bytes(*models) -> int:
     return total
 
 
+def parameter_count(config) -> int:
+    """The model's parameters, counted on the meta device (nothing is allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
 def full_finetune_bytes(
     num_parameters: int,
     dtype_bytes: int,
@@ -218,18 +227,14 @@ def check_full_finetune_fits(model_path: str, with_reference: bool, with_engine:
     """Refuse --full-finetune, before anything is loaded, when the weights alone would not fit
     the device (a 7B model needs ~168 GB with float32 weights): a one-line error naming what
     would fit."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
-        model_config = AutoConfig.from_pretrained(model_path)
+        num_parameters = parameter_count(AutoConfig.from_pretrained(model_path))
     except (OSError, ValueError):
         return  # load_base_model reports an unreadable model
-    with torch.device("meta"):
-        num_parameters = sum(
-            p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters()
-        )
     device, dtype = device_and_dtype(full_finetune=True)
-    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    dtype_bytes = dtype.itemsize
     if device.type == "cuda":
         available, where = torch.cuda.get_device_properties(0).total_memory, "the GPU has"
     else:
