@@ -207,11 +207,7 @@ TRACKERS = ("jsonl", "tensorboard", "wandb")
 
 def parse_report_to(spec: str) -> list[str]:
     """The trackers ``--report-to`` names, jsonl always among them; a name that is not a tracker,
-    or whose package is not installed, is refused.
-
-    >>> parse_report_to("wandb"), parse_report_to("")
-    (['jsonl', 'wandb'], ['jsonl'])
-    """
+    or whose package is not installed, is refused."""
     names = {"jsonl", *(name.strip() for name in spec.split(",") if name.strip())}
     for name in names - {"jsonl"}:
         if name not in TRACKERS:
