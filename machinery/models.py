@@ -132,7 +132,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 def keep_freed_memory(largest_reused_block: int = 32 * 2**20, kept_free: int = 2**30) -> bool:
     """Let glibc's malloc keep the memory of freed activations for the next micro-batch: by
     default a block over 128 KiB is mapped fresh, unmapped when freed, and every page of it
-    faults and is zero-filled again at first touch (docs/implementation.md). Blocks up to
+    faults and is zero-filled again at first touch (docs/history.md). Blocks up to
     ``largest_reused_block`` come from the heap, and up to ``kept_free`` bytes of it stay with
     the process. Whether both settings took (False where the C library is not glibc)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the process's own C library
