@@ -31,6 +31,8 @@ import random
 import sys
 import time
 
+import psutil
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from machinery import task  # noqa: E402
 
@@ -98,6 +100,11 @@ def runqueue_wait_s(pid: int | str = "self") -> float:
         return int(handle.read().split()[1]) / 1e9
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time (user + system) the processes ``pids`` have used so far."""
+    return sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids)
+
+
 def free_cores(count: int, seconds: float = 2.0) -> float:
     """How many cores ``count`` busy-looping processes actually get here (a control for the
     speedup on a shared machine: on an idle one it equals ``count`` up to the core count)."""
@@ -142,11 +149,11 @@ def serial_vs_pooled(
         serial_s += time.perf_counter() - started
         serial_cpu_s += time.process_time() - cpu
         serial_wait_s += runqueue_wait_s() - wait
-        started, cpu = time.perf_counter(), pool.worker_cpu_seconds() + time.process_time()
+        started, cpu = time.perf_counter(), cpu_seconds(pids) + time.process_time()
         wait = sum(map(runqueue_wait_s, pids))
         pooled += task.grade_batch(block_c, block_r, pool=pool)
         pooled_s += time.perf_counter() - started
-        pooled_cpu_s += pool.worker_cpu_seconds() + time.process_time() - cpu
+        pooled_cpu_s += cpu_seconds(pids) + time.process_time() - cpu
         pooled_wait_s += sum(map(runqueue_wait_s, pids)) - wait
     pool.close()
     return {

@@ -15,7 +15,6 @@ import os
 import resource
 import subprocess
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -26,6 +25,8 @@ from tqdm import tqdm
 
 DEFAULT_TIMEOUT_S = 5.0  # per item: generous (a normal answer takes 1 to 20 ms)
 WORKER_MEMORY_LIMIT = 4 * 2**30  # address-space cap of a worker: a blow-up becomes a MemoryError
+STARTUP_S = 60.0  # the most a worker's start-up (its imports, under load) may take
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _worker_main(target: str, read_fd: int, write_fd: int, memory_limit: int | None) -> None:
@@ -45,8 +46,6 @@ def _worker_main(target: str, read_fd: int, write_fd: int, memory_limit: int | N
             chunk = inbox.recv()
         except (EOFError, OSError):  # the parent is gone
             return
-        if chunk is None:
-            return
         for index, args in chunk:
             try:
                 correct = bool(function(*args))
@@ -57,12 +56,12 @@ def _worker_main(target: str, read_fd: int, write_fd: int, memory_limit: int | N
 
 @dataclass
 class _Worker:
-    process: object  # subprocess.Popen
-    inbox: object  # Connection the parent sends chunks on
-    conn: object  # Connection the parent reads results from
+    process: subprocess.Popen
+    inbox: Connection  # the parent sends chunks on it
+    outbox: Connection  # the parent reads answers from it
     deadline: float  # when the item now running (or the start-up) times out
-    ready: bool = False  # the worker has imported math-verify and said so
-    pending: deque = field(default_factory=deque)  # indices sent and not yet answered
+    ready: bool = False  # it has imported the grading function and said so
+    pending: deque = field(default_factory=deque)  # the (index, args) sent, not yet answered
 
 
 class GradingPool:
@@ -72,11 +71,11 @@ class GradingPool:
     returning a bool. Each worker gets a chunk of items and answers item by item; an item that
     runs past ``timeout_s`` gets its worker killed (SIGKILL: it works even inside C code), is
     graded wrong and counted in ``stats["timeouts"]``, and the rest of its chunk goes back in the
-    queue. Workers are fresh interpreters (``python -c "from machinery import grading_pool;
-    ..."``) talking over pipes, so none inherits the caller's threads, CUDA context or vLLM
-    engine, and none re-imports the caller's ``__main__`` (as multiprocessing's spawn and
-    forkserver would). A worker starts in about a second, which only a timeout costs again. Reuse
-    one pool across calls (the trainer grades every step); ``close()`` ends it.
+    queue. Workers are fresh interpreters (``python -c``) talking over pipes, so none inherits
+    the caller's threads, CUDA context or vLLM engine, and none re-imports the caller's
+    ``__main__`` (as multiprocessing's spawn and forkserver would). A worker starts in about a
+    second, which only a timeout costs again. Reuse one pool across calls (the trainer grades
+    every step); ``close()`` ends its workers.
     """
 
     def __init__(
@@ -87,168 +86,114 @@ class GradingPool:
         chunk_size: int = 16,
         memory_limit: int | None = WORKER_MEMORY_LIMIT,
     ):
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if target.count(":") != 1:
-            raise ValueError(f"target must be 'module:function', got {target!r}")
-        self.target = target
+        self.target, self.timeout_s, self.chunk_size = target, timeout_s, chunk_size
         self.num_workers = num_workers or min(32, len(os.sched_getaffinity(0)))
-        self.timeout_s = float(timeout_s)
-        self.chunk_size = chunk_size
         self.memory_limit = memory_limit
-        self.stats = {"graded": 0, "timeouts": 0, "crashes": 0, "workers_started": 0}
+        self.stats = {"timeouts": 0, "crashes": 0}
         self.last_timeouts: list[int] = []  # indices of the last call's items that timed out
         self._workers: list[_Worker] = []
-        self._lock = threading.Lock()
-        self._closed = False
 
     def _start_worker(self) -> _Worker:
-        to_worker_r, to_worker_w = os.pipe()
-        from_worker_r, from_worker_w = os.pipe()
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+        to_worker, from_worker = os.pipe(), os.pipe()
         code = (
-            f"import sys; sys.path.insert(0, {here!r}); from machinery import grading_pool; "
-            f"grading_pool._worker_main({self.target!r}, {to_worker_r}, {from_worker_w}, "
+            f"import sys; sys.path.insert(0, {REPOSITORY!r}); from machinery import grading_pool; "
+            f"grading_pool._worker_main({self.target!r}, {to_worker[0]}, {from_worker[1]}, "
             f"{self.memory_limit!r})"
         )
         process = subprocess.Popen(
             [sys.executable, "-c", code],
-            pass_fds=(to_worker_r, from_worker_w),
+            pass_fds=(to_worker[0], from_worker[1]),
             stdin=subprocess.DEVNULL,
         )
-        os.close(to_worker_r)
-        os.close(from_worker_w)
-        self.stats["workers_started"] += 1
-        inbox = Connection(to_worker_w, readable=False)
-        deadline = time.monotonic() + max(60.0, self.timeout_s)  # start-up: imports under load
-        return _Worker(process, inbox, Connection(from_worker_r, writable=False), deadline)
+        os.close(to_worker[0])
+        os.close(from_worker[1])
+        inbox = Connection(to_worker[1], readable=False)
+        outbox = Connection(from_worker[0], writable=False)
+        return _Worker(process, inbox, outbox, deadline=time.monotonic() + STARTUP_S)
 
     def _stop(self, worker: _Worker) -> None:
         worker.process.kill()
         worker.process.wait()
         worker.inbox.close()
-        worker.conn.close()
+        worker.outbox.close()
 
-    def _replace(self, worker: _Worker) -> _Worker:
+    def _replace(self, worker: _Worker) -> None:
         self._stop(worker)
-        fresh = self._start_worker()
-        self._workers[self._workers.index(worker)] = fresh
-        return fresh
+        self._workers[self._workers.index(worker)] = self._start_worker()
 
     def map(self, items: Sequence[tuple], progress: bool = False) -> list[bool]:
         """``function(*item)`` for each item, in input order; an item past the timeout, or whose
         worker crashed, is False."""
-        items = [(index, tuple(args)) for index, args in enumerate(items)]
-        if not items:
-            return []
-        with self._lock:
-            if self._closed:
-                raise ValueError("this GradingPool is closed; create a new one")
-            while len(self._workers) < self.num_workers:
-                self._workers.append(self._start_worker())
-            # Chunks shrink for small batches so that every worker gets some.
-            size = max(1, min(self.chunk_size, len(items) // (4 * self.num_workers)))
-            queue = deque(items[i : i + size] for i in range(0, len(items), size))
-            results: list[bool | None] = [None] * len(items)
-            self.last_timeouts = []
-            with tqdm(
-                total=len(items), desc="grading", unit="item", disable=not progress, leave=False
-            ) as bar:
-                self._run(queue, items, results, bar)
-            self.stats["graded"] += len(items)
-        return [bool(r) for r in results]
+        results = [False] * len(items)
+        numbered = [(index, tuple(args)) for index, args in enumerate(items)]
+        # Chunks shrink for small batches so that every worker gets some.
+        size = max(1, min(self.chunk_size, len(items) // (4 * self.num_workers)))
+        queue = deque(numbered[i : i + size] for i in range(0, len(items), size))
+        self.last_timeouts = []
+        while len(self._workers) < self.num_workers:
+            self._workers.append(self._start_worker())
+        bar = tqdm(total=len(items), desc="grading", unit="item", disable=not progress, leave=False)
+        with bar:
+            while queue or any(worker.pending for worker in self._workers):
+                self._dispatch(queue)
+                busy = [worker for worker in self._workers if worker.pending or not worker.ready]
+                timeout = min(worker.deadline for worker in busy) - time.monotonic()
+                answered = wait([worker.outbox for worker in busy], timeout=max(0.0, timeout))
+                for worker in busy:
+                    try:
+                        while worker.outbox in answered and worker.outbox.poll():
+                            message = worker.outbox.recv()
+                            worker.deadline = time.monotonic() + self.timeout_s
+                            if message == "ready":
+                                worker.ready = True
+                                continue
+                            results[message[0]] = message[1]
+                            worker.pending.popleft()
+                            bar.update()
+                    except (EOFError, OSError):  # it died (the OS killed it, a crash)
+                        self._fail(worker, queue, "crashes", bar)
+                        continue
+                    if worker.deadline <= time.monotonic():
+                        self._fail(worker, queue, "timeouts", bar)
+        return results
 
-    def _run(self, queue: deque, items: list, results: list, bar) -> None:
-        """The scheduling loop: dispatch chunks, collect answers, enforce deadlines."""
-        remaining = len(items)
-
-        def settle(index: int, correct: bool) -> None:
-            nonlocal remaining
-            results[index] = correct
-            remaining -= 1
-            bar.update(1)
-
-        def dispatch(worker: _Worker) -> None:
-            if worker.ready and queue and not worker.pending:
+    def _dispatch(self, queue: deque) -> None:
+        """The next chunk to each worker that is ready and idle."""
+        for worker in list(self._workers):
+            if worker.ready and not worker.pending and queue:
                 chunk = queue.popleft()
                 try:
                     worker.inbox.send(chunk)
                 except OSError:  # it died while idle (e.g. between calls): a fresh one takes over
                     queue.appendleft(chunk)
                     self._replace(worker)
-                    return
-                worker.pending.extend(index for index, *_ in chunk)
+                    continue
+                worker.pending.extend(chunk)
                 worker.deadline = time.monotonic() + self.timeout_s
 
-        def fail_current(worker: _Worker, reason: str) -> None:
-            # The item now running is the first unanswered one of the worker's chunk.
-            if worker.pending:
-                culprit = worker.pending.popleft()
-                settle(culprit, False)
-                self.stats[reason] += 1
-                if reason == "timeouts":
-                    self.last_timeouts.append(culprit)
-                if worker.pending:
-                    queue.appendleft([items[index] for index in worker.pending])
-            elif not worker.ready:
-                raise RuntimeError(
-                    f"a grading worker failed to start (exit code {worker.process.poll()}); "
-                    f"check that `import {self.target.split(':')[0]}` works in a fresh interpreter"
-                )
-            self._replace(worker)
-
-        while remaining:
-            for worker in list(self._workers):
-                dispatch(worker)
-            waiting = [worker for worker in self._workers if worker.pending or not worker.ready]
-            if not waiting:
-                raise RuntimeError(
-                    f"grading stalled with {remaining} items left and no worker busy"
-                )
-            timeout = max(0.0, min(worker.deadline for worker in waiting) - time.monotonic())
-            ready = wait([worker.conn for worker in waiting], timeout=timeout)
-            for worker in waiting:
-                try:
-                    while worker.conn in ready and worker.conn.poll():
-                        message = worker.conn.recv()
-                        if message == "ready":
-                            worker.ready = True
-                        else:
-                            index, correct = message
-                            settle(index, bool(correct))
-                            worker.pending.popleft()
-                        worker.deadline = time.monotonic() + self.timeout_s
-                except (EOFError, OSError):  # it died (the OS killed it, a crash): replace it
-                    fail_current(worker, "crashes")
-                    continue
-                if worker.deadline <= time.monotonic():
-                    fail_current(worker, "timeouts")
-
-    def worker_cpu_seconds(self) -> float:
-        """CPU time (user + system) the live workers have used so far (Linux /proc)."""
-        total = 0
-        for worker in self._workers:
-            with open(f"/proc/{worker.process.pid}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime in clock ticks
-        return total / os.sysconf("SC_CLK_TCK")
+    def _fail(self, worker: _Worker, queue: deque, reason: str, bar) -> None:
+        """A worker that died or ran past its deadline: the item it was running (its chunk's first
+        unanswered one) is wrong and counted, the rest of the chunk goes back in the queue, and a
+        fresh worker takes its place."""
+        if not worker.ready:
+            raise RuntimeError(
+                f"a grading worker failed to start (exit code {worker.process.poll()}); check "
+                f"that `import {self.target.split(':')[0]}` works in a fresh interpreter"
+            )
+        culprit, _ = worker.pending.popleft()
+        self.stats[reason] += 1
+        if reason == "timeouts":
+            self.last_timeouts.append(culprit)
+        bar.update()
+        if worker.pending:
+            queue.appendleft(list(worker.pending))
+        self._replace(worker)
 
     def close(self) -> None:
-        """Stop the workers (politely, then by force)."""
-        with self._lock:
-            for worker in self._workers:
-                try:
-                    worker.inbox.send(None)
-                except OSError:
-                    pass
-            for worker in self._workers:
-                try:
-                    worker.process.wait(timeout=2)
-                except Exception:  # noqa: BLE001 -- subprocess.TimeoutExpired: force it
-                    pass
-                self._stop(worker)
-            self._workers.clear()
-            self._closed = True
+        """Stop the workers (they hold nothing to save); a later ``map`` starts new ones."""
+        for worker in self._workers:
+            self._stop(worker)
+        self._workers.clear()
 
     def __enter__(self) -> GradingPool:
         return self

@@ -133,7 +133,7 @@ def estimate_update_peak(model_config, config, dtype: torch.dtype, with_referenc
     layers = text.num_hidden_layers
     s, rows, length = dtype.itemsize, config.micro_batch_size, config.max_seq_len
     tokens, completion = rows * length, rows * (length - config.max_prompt_len)
-    parameters = parameter_count(model_config)
+    parameters = models.parameter_count(model_config)
     if config.full_finetune:
         trained, weights = parameters * s, parameters * s * (1 + with_reference)
         saved = s * (6 * h + 4 * q + 4 * inter)
@@ -232,7 +232,9 @@ def engine_sequences(
     >>> engine_sequences(seven_b, max_model_len=8192, step_sequences=64, total_bytes=48 * 10**9)
     26
     """
-    weights = 2 * parameter_count(config)  # the engine's bf16 copy; the trainer holds another
+    weights = 2 * models.parameter_count(
+        config
+    )  # the engine's bf16 copy; the trainer holds another
     per_sequence = max_model_len * kv_bytes_per_token(config)
     ceiling = share_ceiling(weights, total_bytes, trainer_bytes)
     check_requested_share(requested, ceiling)
@@ -283,7 +285,9 @@ def cuda_memory_share(
     0.6
     """
     kv_bytes = max_num_seqs * max_model_len * kv_bytes_per_token(config)
-    weights = 2 * parameter_count(config)  # the engine's bf16 copy; the trainer holds another
+    weights = 2 * models.parameter_count(
+        config
+    )  # the engine's bf16 copy; the trainer holds another
     claim = (weights + ENGINE_OVERHEAD_BYTES + kv_bytes) / total_bytes + SHARE_MARGIN
     ceiling = share_ceiling(weights, total_bytes, trainer_bytes)
     check_requested_share(requested, ceiling)
@@ -301,15 +305,6 @@ def cuda_memory_share(
             f"{ceiling:.2f} is free): lower --rollouts, --prompts-per-step or --max-seq-len"
         )
     return requested if requested is not None else min(max(0.3, claim), ceiling)
-
-
-def parameter_count(config) -> int:
-    """The model's parameters, counted on the meta device (nothing is allocated)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
 
 
 def size_engine(
@@ -332,15 +327,6 @@ def size_engine(
     )
     at_once = engine_sequences(config, step_sequences=step_sequences, **sizing)
     return at_once, cuda_memory_share(config, max_num_seqs=at_once, **sizing)
-
-
-def rollout_waves(step_sequences: int, at_once: int) -> int:
-    """The waves in which a step's sequences pass through an engine holding ``at_once``.
-
-    >>> rollout_waves(64, 26)
-    3
-    """
-    return -(-step_sequences // at_once)
 
 
 def gpu_share_and_limits(
@@ -373,7 +359,7 @@ def gpu_share_and_limits(
         print(
             f"[engine] one step's {step_sequences} sequences of {max_model_len} tokens do not "
             f"fit in the KV cache at once: the engine holds {at_once} and samples the step in "
-            f"about {rollout_waves(step_sequences, at_once)} waves (docs/gpu.md)"
+            f"about {math.ceil(step_sequences / at_once)} waves (docs/gpu.md)"
         )
     return share, {**llm_kwargs, "max_num_seqs": at_once}
 
@@ -381,9 +367,8 @@ def gpu_share_and_limits(
 def trainer_dtype(config, device_type: str) -> torch.dtype:
     """The trainer's dtype on that device (``models.device_and_dtype``): bf16 on CUDA, float32
     when every weight is trained there, float32 on the CPU."""
-    if device_type != "cuda":
-        return torch.float32
-    return torch.float32 if config.full_finetune else torch.bfloat16
+    half = device_type == "cuda" and not config.full_finetune
+    return torch.bfloat16 if half else torch.float32
 
 
 def engine_share(
@@ -412,12 +397,12 @@ def engine_share(
         sequences, share, reason = 0, None, str(error)
     per_token = kv_bytes_per_token(model_config)
     engine = {
-        "weights": 2 * parameter_count(model_config),
+        "weights": 2 * models.parameter_count(model_config),
         "working": ENGINE_OVERHEAD_BYTES,
         "kv_cache": sequences * config.max_seq_len * per_token,
         "share": share,
         "sequences": sequences,
-        "waves": rollout_waves(step_sequences, sequences) if sequences else None,
+        "waves": math.ceil(step_sequences / sequences) if sequences else None,
     }
     return engine, reason
 
@@ -572,11 +557,9 @@ def does_not_fit(peaks: dict, config, card_bytes: int, with_reference: bool) -> 
 
 
 def card_of(config) -> int:
-    """The card a run is planned for, in bytes: --gpu-gb (checked); 0: this GPU's memory, or on
+    """The card a run is planned for, in bytes: --gpu-gb; 0: this GPU's memory, or on
     the CPU an 80 GB card's."""
     gpu_gb = config.extras["memory"].gpu_gb
-    if gpu_gb < 0:
-        raise SystemExit(f"error: --gpu-gb {gpu_gb}: pass the card's memory in GB, > 0")
     if gpu_gb:
         return int(gpu_gb * 1e9)
     if torch.cuda.is_available():

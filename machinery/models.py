@@ -23,7 +23,6 @@ fits on one GPU.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 
@@ -54,14 +53,9 @@ class ModelError(UsageError):
 
 
 def resolve_model(model: str) -> str:
-    """``model`` as transformers and vLLM load it: a local path or an ``org/name`` as it is, a
-    known short name (any case) with its organization. A hub name neither cached nor answered by
-    the hub within ``REACH_TIMEOUT_S`` is a ModelError now; offline mode (HF_HUB_OFFLINE=1) never
-    asks the hub.
-
-    >>> resolve_model("runs/sft/sft_model")  # not there yet, and no hub name: the loader says so
-    'runs/sft/sft_model'
-    """
+    """``model`` as the loaders take it: a short name (any case) with its organization; a hub
+    name neither cached nor answered within ``REACH_TIMEOUT_S`` is a ModelError (HF_HUB_OFFLINE=1
+    never asks)."""
     from huggingface_hub import constants, model_info, try_to_load_from_cache
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -110,9 +104,8 @@ def device_and_dtype(full_finetune: bool = False) -> tuple[torch.device, torch.d
 
 
 def attention_implementation(dtype: torch.dtype) -> str:
-    """flash-attention 2 in bf16 (or fp16) when transformers finds a build for CUDA (its package
-    metadata: ``make install`` puts a wheel there only after ``import flash_attn`` succeeds),
-    else PyTorch's SDPA. transformers' own default is SDPA whatever is installed."""
+    """flash-attention 2 in bf16 (or fp16) when transformers finds a build installed, else
+    PyTorch's SDPA (transformers' own default whatever is installed)."""
     from transformers.utils import is_flash_attn_2_available
 
     half = dtype in (torch.bfloat16, torch.float16)
@@ -137,37 +130,25 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 
 def keep_freed_memory(largest_reused_block: int = 32 * 2**20, kept_free: int = 2**30) -> bool:
-    """Let glibc's malloc reuse the memory of freed activations instead of returning it to the
-    kernel. By default a block of more than 128 KiB is mapped fresh and unmapped when freed (the
-    cut-off rises to the size of the last freed block, but the heap is trimmed whenever twice that
-    lies free at its top), and every page of a fresh mapping costs a page fault and zero-filling
-    at first touch. A CPU update allocates and frees tens of such blocks per micro-batch (one
-    [64, 127, 512] float32 MLP activation is 16.6 MB); reusing them took bench/vs_trl.py's
-    128-token update from 0.36 s to 0.31 s. Blocks up to ``largest_reused_block`` come from
-    the heap, and up to ``kept_free`` bytes of it stay with the process. Returns whether both
-    settings took (False where the C library is not glibc: nothing changes there)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        mallopt = libc.mallopt
-    except (OSError, TypeError, AttributeError):
+    """Let glibc's malloc keep the memory of freed activations for the next micro-batch: by
+    default a block over 128 KiB is mapped fresh, unmapped when freed, and every page of it
+    faults and is zero-filled again at first touch (docs/history.md). Blocks up to
+    ``largest_reused_block`` come from the heap, and up to ``kept_free`` bytes of it stay with
+    the process. Whether both settings took (False where the C library is not glibc)."""
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the process's own C library
+    if mallopt is None:
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, largest_reused_block)) and bool(
         mallopt(M_TRIM_THRESHOLD, kept_free)
     )
 
 
-def load_base_model(
-    path: str,
-    gradient_checkpointing: bool = False,
-    device: str | None = None,
-    full_finetune: bool = False,
-):
-    """The base model and tokenizer from a hub name or a local directory, with a clear error;
-    on ``device`` (default: the GPU if there is one), in its dtype."""
+def load_base_model(path: str, gradient_checkpointing: bool = False, full_finetune: bool = False):
+    """The base model and tokenizer from a hub name or a local directory, on the GPU if there is
+    one, in its dtype; one line if it does not load."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    default_device, dtype = device_and_dtype(full_finetune)
-    device = device or default_device
+    device, dtype = device_and_dtype(full_finetune)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(
@@ -179,7 +160,7 @@ def load_base_model(
         tokenizer.pad_token = tokenizer.eos_token
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    if torch.device(device).type == "cpu":
+    if device.type == "cpu":
         keep_freed_memory()
     return model.to(device), tokenizer
 
@@ -198,22 +179,28 @@ def make_optimizer(model, lr: float, weight_decay: float, total_steps: int, warm
 
 
 def resident_bytes(*models) -> int:
-    """What the trainer keeps on its device between steps: each model's weights and buffers (a
-    LoRA reference is the policy with its adapters off, no copy) and AdamW's two moments per
-    trained parameter, in its dtype, whether or not a first step has made them yet (a fresh run
-    and a resumed one count the same).
+    """What the trainer keeps on its device between steps: the models' weights and buffers (None:
+    a LoRA reference, the policy with its adapters off) and AdamW's two moments of each trained
+    weight, in its dtype, whether or not a first step has made them yet.
 
     >>> layer = torch.nn.Linear(4, 2)  # 10 float32 parameters, trained
     >>> resident_bytes(layer, None)  # 40 bytes of weights, 80 of moments
     120
     """
-    storages, moments = {}, 0
-    for model in (m for m in models if m is not None):
-        for tensor in (*model.parameters(), *model.buffers()):
-            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-        trained = (p for p in model.parameters() if p.requires_grad)
-        moments += sum(2 * p.numel() * p.element_size() for p in trained)
-    return sum(storages.values()) + moments
+    total = 0
+    for model in filter(None, models):
+        total += sum(buffer.nbytes for buffer in model.buffers())
+        total += sum(p.nbytes * (3 if p.requires_grad else 1) for p in model.parameters())
+    return total
+
+
+def parameter_count(config) -> int:
+    """The model's parameters, counted on the meta device (nothing is allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
 
 
 def full_finetune_bytes(
@@ -240,18 +227,14 @@ def check_full_finetune_fits(model_path: str, with_reference: bool, with_engine:
     """Refuse --full-finetune, before anything is loaded, when the weights alone would not fit
     the device (a 7B model needs ~168 GB with float32 weights): a one-line error naming what
     would fit."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
-        model_config = AutoConfig.from_pretrained(model_path)
+        num_parameters = parameter_count(AutoConfig.from_pretrained(model_path))
     except (OSError, ValueError):
         return  # load_base_model reports an unreadable model
-    with torch.device("meta"):
-        num_parameters = sum(
-            p.numel() for p in AutoModelForCausalLM.from_config(model_config).parameters()
-        )
     device, dtype = device_and_dtype(full_finetune=True)
-    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    dtype_bytes = dtype.itemsize
     if device.type == "cuda":
         available, where = torch.cuda.get_device_properties(0).total_memory, "the GPU has"
     else:

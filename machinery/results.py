@@ -34,12 +34,9 @@ from machinery.task import DataError, problems_fingerprint
 
 
 def sha256_file(path: str) -> str:
-    """sha256 of a file's bytes, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
+    """sha256 of a file's bytes."""
     with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(2**20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def model_identity(model_path: str, adapter_path: str | None = None) -> dict:
@@ -206,22 +203,25 @@ def pending_seeds(results: dict, seeds: list[int], names: list[str], out: str) -
 # --------------------------------------------------------------------------------------------
 
 
+COMPLETION_FIELDS = ("text", "token_ids", "finish_reason", "correct", "logprob")
+
+
 def save_completions(
     directory: str, name: str, seed: int, problems, prompts, samples, span: slice
 ) -> None:
     """One JSONL per (benchmark, seed): a row per problem with its samples (evaluate.SeedSamples
     ``samples``, the problems of this benchmark at ``span``)."""
     rows = []
-    for index, problem, prompt_ids, i in zip(
-        range(len(problems)), problems, prompts, range(span.start, span.stop)
-    ):
-        completions = zip(
-            samples.texts[i],
-            samples.token_ids[i],
-            samples.finish_reasons[i],
-            samples.correct[i],
-            samples.logprob_sums[i],
-        )
+    for index, (problem, prompt_ids) in enumerate(zip(problems, prompts)):
+        i = span.start + index
+        per_sample = (
+            samples.texts,
+            samples.token_ids,
+            samples.finish_reasons,
+            samples.correct,
+            samples.logprob_sums,
+        )  # in the order of COMPLETION_FIELDS
+        completions = zip(*(values[i] for values in per_sample))
         rows.append(
             {
                 "benchmark": name,
@@ -231,16 +231,7 @@ def save_completions(
                 "answer": problem.answer,
                 "grader": problem.grader,
                 "prompt_ids": prompt_ids,
-                "completions": [
-                    {
-                        "text": text,
-                        "token_ids": ids,
-                        "finish_reason": reason,
-                        "correct": ok,
-                        "logprob": lp,
-                    }
-                    for text, ids, reason, ok, lp in completions
-                ],
+                "completions": [dict(zip(COMPLETION_FIELDS, values)) for values in completions],
             }
         )
     write_jsonl_atomic(os.path.join(directory, f"{name}.seed{seed}.jsonl"), rows)

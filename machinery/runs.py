@@ -12,6 +12,7 @@ them), ``eval.jsonl`` (each evaluation's rows) and ``checkpoint/``. Two rules ho
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import importlib.util
@@ -20,7 +21,6 @@ import math
 import os
 import random
 import shutil
-import tempfile
 import time
 
 import torch
@@ -45,23 +45,17 @@ SUBPROCESS_ENV = {
 
 @contextlib.contextmanager
 def atomic_output(path: str, mode: str = "w"):
-    """Open a temporary file next to ``path``; on success rename it over ``path`` (readers never
-    see a half-written file), with the permissions a plain ``open`` would have given."""
-    directory = os.path.dirname(os.path.abspath(path))
+    """A file written as ``.tmp-<name>`` beside ``path``, renamed over it on success."""
+    directory, name = os.path.split(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile(
-        mode, dir=directory, prefix=".tmp-", suffix=os.path.splitext(path)[1], delete=False
-    )
+    temporary = os.path.join(directory, f".tmp-{name}")
     try:
-        with handle:
+        with open(temporary, mode) as handle:
             yield handle
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(handle.name, 0o666 & ~umask)
-        os.replace(handle.name, path)
-    except BaseException:
-        os.unlink(handle.name)
-        raise
+        os.replace(temporary, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):  # (not there once renamed)
+            os.remove(temporary)
 
 
 def write_json_atomic(path: str, payload) -> None:
@@ -134,10 +128,9 @@ def has_checkpoint(run_dir: str) -> bool:
 
 
 def save_checkpoint(run_dir: str, step: int, state: tuple) -> None:
-    """<run>/checkpoint after ``step`` optimizer steps: first ``model/`` (save_pretrained: the
-    LoRA adapter that evaluate.py --adapter reads, or the whole model), then
-    ``trainer_state.pt``, what --resume reads, renamed into place in one act (a failure or a kill
-    before leaves the previous one whole), then ``trainer_state.json``: the step, for people."""
+    """<run>/checkpoint after ``step`` optimizer steps: ``model/`` (save_pretrained, for
+    evaluate.py --adapter), then ``trainer_state.pt`` (what --resume reads; its rename commits
+    the checkpoint), then ``trainer_state.json``: the step, for people."""
     policy, optimizer, scheduler, sampler, guide_generator = state
     final = checkpoint_dir(run_dir)
     trainer_state = {
@@ -179,8 +172,8 @@ def load_checkpoint(run_dir: str, state: tuple) -> int:
 
 
 def restore_or_start(resume: bool, run_dir: str, state: tuple) -> int:
-    """The step to start from: the checkpoint's with --resume (``state`` restored, metrics.jsonl
-    and eval.jsonl cut back to it), else 0 with fresh logs."""
+    """The step to start from: the checkpoint's with --resume (``state`` restored, the logs cut
+    back to it), else 0 with fresh logs."""
     logs = [os.path.join(run_dir, name) for name in ("metrics.jsonl", "eval.jsonl")]
     if not resume:
         for path in logs:
@@ -194,9 +187,8 @@ def restore_or_start(resume: bool, run_dir: str, state: tuple) -> int:
 
 
 def checkpoint_if_due(run_dir: str, step: int, start: int, config, state: tuple) -> bool:
-    """After optimizer step ``step`` (0-based) of a run that began at ``start``: save the
-    checkpoint every --save-every steps, after the last and at --stop-after. Returns True when
-    --stop-after ends the run here."""
+    """Checkpoint after step ``step`` (0-based) every --save-every steps, after the last and at
+    --stop-after; True when --stop-after ends the run here (it began at ``start``)."""
     done = step + 1
     stop = config.stop_after > 0 and done - start >= config.stop_after and done < config.steps
     if done % config.save_every == 0 or done == config.steps or stop:
@@ -214,31 +206,27 @@ TRACKERS = ("jsonl", "tensorboard", "wandb")
 
 
 def parse_report_to(spec: str) -> list[str]:
-    """``"tensorboard,wandb"`` -> ["jsonl", "tensorboard", "wandb"] (jsonl is always on); a name
-    that is not a tracker, or whose package is not installed, is refused.
-
-    >>> parse_report_to("wandb"), parse_report_to("")
-    (['jsonl', 'wandb'], ['jsonl'])
-    """
-    names = [name.strip() for name in spec.split(",") if name.strip()]
-    for name in names:
+    """The trackers ``--report-to`` names, jsonl always among them; a name that is not a tracker,
+    or whose package is not installed, is refused."""
+    names = {"jsonl", *(name.strip() for name in spec.split(",") if name.strip())}
+    for name in names - {"jsonl"}:
         if name not in TRACKERS:
             raise UsageError(f"unknown --report-to {name!r}: choose among {', '.join(TRACKERS)}")
-        if name != "jsonl" and importlib.util.find_spec(name) is None:
+        if importlib.util.find_spec(name) is None:
             raise UsageError(f"--report-to {name} needs the {name} package: pip install {name}")
-    return ["jsonl"] + [name for name in TRACKERS[1:] if name in names]
+    return [name for name in TRACKERS if name in names]
 
 
 class RunLogger:
-    """A run's records: one metrics.jsonl line per step, whose numbers also go, under the same
-    keys, to TensorBoard (its SummaryWriter) and W&B (``wandb.init``; ``WANDB_MODE=offline``
-    needs no network, ``wandb sync`` uploads later) when --report-to names them; each
-    evaluation's rows in eval.jsonl; the progress bar, the zero-reward warning and the lines on
-    the trainer's peak memory against the plan's forecast (``forecast_gb``, CUDA)."""
+    """A run's records: metrics.jsonl (a line per step) and eval.jsonl (a row per benchmark and
+    evaluation), their numbers under the same keys to TensorBoard and W&B when --report-to names
+    them (``WANDB_MODE=offline`` needs no network; ``wandb sync`` uploads later), the progress
+    bar's figures, and the warnings: all-zero rewards, and on CUDA the trainer's peak memory
+    against the plan's forecast (``forecast_gb``)."""
 
     def __init__(self, config, run_dir: str, forecast_gb: float | None = None):
         self.config, self.run_dir, self.forecast_gb = config, run_dir, forecast_gb
-        self.peak_gb: float | None = None  # the trainer's highest peak allocated so far (CUDA)
+        self.peak_gb = 0.0  # the trainer's highest peak allocated so far (CUDA)
         self.zero_reward_streak = 0
         names = parse_report_to(config.report_to)
         self.tensorboard = self.wandb = None
@@ -260,19 +248,17 @@ class RunLogger:
             )
 
     def log(self, record: dict, step: int) -> None:
-        """One line of metrics.jsonl; its finite numbers to the trackers."""
+        """One line of metrics.jsonl; its numbers to the trackers."""
         append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), record)
-        self.track(
-            {
-                key: value
-                for key, value in record.items()
-                if isinstance(value, (int, float)) and key != "step" and math.isfinite(value)
-            },
-            step,
-        )
+        self.track({key: value for key, value in record.items() if key != "step"}, step)
 
     def track(self, numbers: dict, step: int) -> None:
-        """Numbers to TensorBoard and W&B (those --report-to names)."""
+        """The finite numbers among ``numbers`` to TensorBoard and W&B (those --report-to names)."""
+        numbers = {
+            key: value
+            for key, value in numbers.items()
+            if isinstance(value, (int, float)) and math.isfinite(value)
+        }
         if self.tensorboard is not None:
             for key, value in numbers.items():
                 self.tensorboard.add_scalar(key, value, step)
@@ -282,8 +268,8 @@ class RunLogger:
     def log_step(
         self, step: int, rollouts, rewards, metrics: dict, timer, lr: float, progress=None
     ) -> None:
-        """One line of metrics.jsonl (and the trackers), the figures on the ``progress`` bar, the
-        zero-reward warning."""
+        """A step's record (``timer``: its PhaseTimer), the ``progress`` bar's figures and the
+        warnings."""
         lengths = [len(c) for c in rollouts.completion_ids]
         record = {
             "step": step,
@@ -297,11 +283,16 @@ class RunLogger:
             **timer.record(),
         }
         self.log(record, step)
-        self.check_memory(record, step)
         if progress is not None:
             progress.set_postfix(
                 reward=f"{record['reward']:.3f}", kl=f"{record.get('kl/ref_k3', 0.0):.4f}"
             )
+        # CUDA: a line the first time the trainer's peak (the engine's bytes left out, as the
+        # plan's trainer share leaves them out) exceeds the plan's forecast
+        peaks = [v for k, v in record.items() if k.startswith("memory/") and k.endswith("peak_gb")]
+        if peaks and self.peak_gb <= self.forecast_gb < max(peaks):
+            tqdm.write(memory_line(max(peaks), self.forecast_gb, f"step {step}"))
+        self.peak_gb = max([self.peak_gb, *peaks])
         all_zero = rewards.numel() == 0 or rewards.max() <= 0
         self.zero_reward_streak = self.zero_reward_streak + 1 if all_zero else 0
         if self.zero_reward_streak == self.config.zero_reward_warning:
@@ -311,18 +302,6 @@ class RunLogger:
                 "--sft-dataset"
             )
 
-    def check_memory(self, record: dict, step: int) -> None:
-        """On CUDA: the trainer's peak allocated so far (the engine's counted bytes left out, as
-        the plan's trainer share leaves them out), and one line the first time a step's exceeds
-        that forecast."""
-        peaks = [v for k, v in record.items() if k.startswith("memory/") and k.endswith("_peak_gb")]
-        if not peaks:
-            return
-        first_excess = self.peak_gb is None or self.peak_gb <= (self.forecast_gb or math.inf)
-        self.peak_gb = max(self.peak_gb or 0.0, max(peaks))
-        if first_excess and self.peak_gb > (self.forecast_gb or math.inf):
-            tqdm.write(memory_line(self.peak_gb, self.forecast_gb, f"step {step}"))
-
     def log_evaluation(self, rows: list[dict]) -> None:
         """An evaluation's rows (evaluate.training_evaluation's) into eval.jsonl, the trackers and
         one line each."""
@@ -330,11 +309,7 @@ class RunLogger:
             append_jsonl(os.path.join(self.run_dir, "eval.jsonl"), row)
             numbers = {key: value for key, value in row.items() if key.startswith("pass@")}
             for group, entry in row.get("support", {}).items():
-                numbers |= {
-                    f"support/{group}/{key}": value
-                    for key, value in entry.items()
-                    if isinstance(value, float)
-                }
+                numbers |= {f"support/{group}/{key}": value for key, value in entry.items()}
             self.track(
                 {f"eval/{row['benchmark']}/{key}": value for key, value in numbers.items()},
                 row["step"],
@@ -346,7 +321,7 @@ class RunLogger:
             )
 
     def close(self) -> None:
-        if self.peak_gb is not None:
+        if self.peak_gb:
             print(memory_line(self.peak_gb, self.forecast_gb, "the run"))
         if self.tensorboard is not None:
             self.tensorboard.close()
@@ -356,14 +331,12 @@ class RunLogger:
             wandb.teardown()  # finishes the run, ends the service process wandb.init started
 
 
-def memory_line(peak_gb: float, forecast_gb: float | None, what: str) -> str:
+def memory_line(peak_gb: float, forecast_gb: float, what: str) -> str:
     """The trainer's peak allocated GPU memory against the plan's forecast, in one line.
 
     >>> memory_line(41.5, 38.0, "step 3")
     "[memory] step 3: the trainer peaked at 41.5 GB allocated, above the plan's 38.0 GB"
     """
-    if forecast_gb is None:
-        return f"[memory] {what}: the trainer peaked at {peak_gb:.1f} GB allocated, no plan"
     side = "above" if peak_gb > forecast_gb else "within"
     return (
         f"[memory] {what}: the trainer peaked at {peak_gb:.1f} GB allocated, {side} the plan's "
@@ -384,33 +357,24 @@ class CountedMemory:
     mode unmaps the pages of its weights and KV cache, but the tensors, and so torch's
     allocated and reserved counts of them, stay (vLLM issues 17117 and 33625). ``PhaseTimer``
     subtracts them, so that a phase's peak is what the trainer itself holds.
-
-    >>> with CountedMemory() as engine:
-    ...     pass
-    >>> engine.allocated, engine.reserved
-    (0, 0)
     """
 
-    def __init__(self):
-        self.allocated = self.reserved = 0
+    allocated = reserved = 0
 
     def __enter__(self) -> CountedMemory:
-        self.on_cuda = torch.cuda.is_available()
-        if self.on_cuda:
-            self.allocated = -torch.cuda.memory_allocated()
-            self.reserved = -torch.cuda.memory_reserved()
+        self.allocated = -torch.cuda.memory_allocated()  # (0 where CUDA has not started)
+        self.reserved = -torch.cuda.memory_reserved()
         return self
 
     def __exit__(self, *exception) -> None:
-        if self.on_cuda:
-            self.allocated += torch.cuda.memory_allocated()
-            self.reserved += torch.cuda.memory_reserved()
+        self.allocated += torch.cuda.memory_allocated()
+        self.reserved += torch.cuda.memory_reserved()
 
 
 class PhaseTimer:
-    """Wall-clock seconds per phase of a step, accumulated over the step, and on CUDA the peak
-    allocated and reserved memory of each phase (the statistics reset as a phase starts), less
-    what the rollout engine keeps counted (``engine``, a ``CountedMemory``): the trainer's own.
+    """Wall-clock seconds per phase of a step, summed over the step, and on CUDA each phase's
+    peak allocated and reserved memory (reset as it starts) less what the rollout engine keeps
+    counted (``engine``): the trainer's own.
 
     >>> timer = PhaseTimer()
     >>> with timer("reward"):
@@ -420,39 +384,36 @@ class PhaseTimer:
     """
 
     def __init__(self, engine: CountedMemory | None = None):
-        self.seconds: dict[str, float] = {}
-        self.peaks: dict[str, tuple[float, float]] = {}  # GB allocated, reserved (CUDA only)
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.memory: dict[str, float] = collections.defaultdict(float)  # GB, CUDA only
         self.engine = engine or CountedMemory()
-        self.on_cuda = torch.cuda.is_available()
         self.started = time.perf_counter()
 
     @contextlib.contextmanager
     def __call__(self, phase: str):
-        started = time.perf_counter()
-        if self.on_cuda:
+        on_cuda = torch.cuda.is_available()
+        if on_cuda:
             torch.cuda.reset_peak_memory_stats()
+        started = time.perf_counter()
         yield  # (an exception in a phase ends the run: the phase is not recorded)
-        self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
-        if self.on_cuda:
-            peak = (
-                torch.cuda.max_memory_allocated() - self.engine.allocated,
-                torch.cuda.max_memory_reserved() - self.engine.reserved,
+        self.seconds[phase] += time.perf_counter() - started
+        if on_cuda:
+            allocated = torch.cuda.max_memory_allocated() - self.engine.allocated
+            reserved = torch.cuda.max_memory_reserved() - self.engine.reserved
+            key = f"memory/{phase}_peak"
+            self.memory[f"{key}_gb"] = max(self.memory[f"{key}_gb"], allocated / 1e9)
+            self.memory[f"{key}_reserved_gb"] = max(
+                self.memory[f"{key}_reserved_gb"], reserved / 1e9
             )
-            before = self.peaks.get(phase, (0.0, 0.0))
-            self.peaks[phase] = tuple(max(a, b / 1e9) for a, b in zip(before, peak))
 
     def record(self) -> dict[str, float]:
-        """Each phase's seconds, the whole step's since the timer was made, and what no phase
-        covers; on CUDA each phase's peak memory less the engine's (``memory/<phase>_peak_gb``
-        allocated, ``memory/<phase>_peak_reserved_gb``), and the engine's (``memory/engine_gb``,
-        ``memory/engine_reserved_gb``)."""
+        """``time/<phase>_s``, the whole step's ``time/step_s`` and ``time/other_s`` (no phase's);
+        on CUDA the ``memory/`` peaks and the engine's counted bytes."""
         record = {f"time/{phase}_s": seconds for phase, seconds in self.seconds.items()}
         record["time/step_s"] = time.perf_counter() - self.started
         record["time/other_s"] = record["time/step_s"] - sum(self.seconds.values())
-        for phase, (allocated, reserved) in self.peaks.items():
-            record[f"memory/{phase}_peak_gb"] = allocated
-            record[f"memory/{phase}_peak_reserved_gb"] = reserved
-        if self.peaks:
+        if self.memory:
+            record |= self.memory
             record["memory/engine_gb"] = self.engine.allocated / 1e9
             record["memory/engine_reserved_gb"] = self.engine.reserved / 1e9
         return record

@@ -568,16 +568,13 @@ def grading_pool(num_workers: int | None = None, timeout_s: float = GRADE_TIMEOU
     )
 
 
-_default_pool: GradingPool | None = None
-
-
+@functools.cache
 def default_pool() -> GradingPool:
-    """The process-wide pool ``grade_batch`` uses (created on first use, closed at exit)."""
-    global _default_pool
-    if _default_pool is None or _default_pool._closed:
-        _default_pool = grading_pool()
-        atexit.register(_default_pool.close)
-    return _default_pool
+    """The process-wide pool ``grade_batch`` uses (made on first use, its workers stopped at
+    exit)."""
+    pool = grading_pool()
+    atexit.register(pool.close)
+    return pool
 
 
 def grade_batch(
@@ -588,17 +585,14 @@ def grade_batch(
     pool: GradingPool | None = None,
     progress: bool = False,
 ) -> list[bool]:
-    """``grade`` over a batch, in parallel worker processes with a hard per-item timeout.
-
-    A pathological item (a parser that never returns) is graded wrong and counted in
-    ``pool.stats["timeouts"]``. Uses ``default_pool()`` unless a pool is given.
-    """
+    """``grade`` over a batch (``graders``: one name, or one per completion), in parallel worker
+    processes with a hard per-item timeout: a pathological item (a parser that never returns) is
+    graded wrong and counted in ``pool.stats["timeouts"]``. Uses ``default_pool()`` unless a pool
+    is given."""
     if len(completions) != len(answers):
         raise ValueError(f"{len(completions)} completions but {len(answers)} answers")
-    graders = [graders] * len(completions) if isinstance(graders, str) else list(graders)
-    if len(graders) != len(completions) or any(g not in GRADERS for g in graders):
-        raise ValueError(f"graders must be one of {GRADERS}: one name, or one per completion")
-    items = [(str(c), str(a), g) for c, a, g in zip(completions, answers, graders)]
+    graders = [graders] * len(completions) if isinstance(graders, str) else graders
+    items = list(zip(map(str, completions), map(str, answers), graders))
     return (pool or default_pool()).map(items, progress=progress)
 
 
@@ -636,8 +630,6 @@ def load_reward_function(
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise RewardError(f"--reward {spec!r}: write module:function or path/to/file.py:function")
-    if where.endswith(".py") and not os.path.isfile(where):
-        raise RewardError(f"--reward {spec!r}: no file {where!r}")
     try:  # the file's or the module's names
         found = runpy.run_path(where) if where.endswith(".py") else vars(import_module(where))
     except Exception as error:  # noqa: BLE001 -- whatever the user's module raises on import

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 import evaluate
 import sage
 from extras import memory_report, memory_sim
-from machinery import memory_plan, vllm_backend
+from machinery import memory_plan, models, vllm_backend
 
 TINY_SHAPE = dict(
     hidden_size=64,
@@ -264,7 +264,7 @@ def test_the_trainers_engine_is_given_the_waves_it_can_hold(monkeypatch, capsys)
     model_config = Qwen2Config(**SEVEN_B_SHAPE)
     card = type("Card", (), {"total_memory": 48 * 10**9})
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
-    trainer_bytes = 2 * memory_plan.parameter_count(model_config)  # the LoRA policy's bf16
+    trainer_bytes = 2 * models.parameter_count(model_config)  # the LoRA policy's bf16
     limits = {"max_num_seqs": 64, "max_num_batched_tokens": 8192}
     share, kwargs = memory_plan.gpu_share_and_limits(
         model_config,
@@ -309,8 +309,6 @@ def test_a_requested_share_too_small_or_too_large_names_the_share_that_works():
 def test_the_trainers_resident_bytes_count_adamws_moments_before_they_exist(tiny):
     """models.resident_bytes (what the engine is sized beside) is the same before the first
     AdamW step and after it, when the moments are there to count."""
-    from machinery import models
-
     model, _ = tiny
     policy, reference = sage.make_policy(
         copy.deepcopy(model), full_finetune=False, lora_rank=4, lora_alpha=8, with_reference=True

@@ -131,6 +131,8 @@ def test_truncate_metrics_drops_steps_to_redo(tmp_path):
 
 def test_report_to_names_are_checked(monkeypatch):
     assert runs.parse_report_to("tensorboard, wandb") == ["jsonl", "tensorboard", "wandb"]
+    assert runs.parse_report_to("wandb") == ["jsonl", "wandb"]
+    assert runs.parse_report_to("") == ["jsonl"]
     with pytest.raises(UsageError, match="unknown --report-to 'mlflow'"):
         runs.parse_report_to("mlflow")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # wandb not installed
