@@ -752,12 +752,16 @@ def main(argv: list[str] | None = None) -> dict:
         for step in range(start, config.steps):
             timer = runs.PhaseTimer(engine=engine_memory)  # the trainer's peaks, engine left out
             # 1. prompts -> G rollouts each -> rewards (and the extras that act here)
-            rollouts, rewards, metrics = collect_rollouts(engine, task, config, step, timer)
+            rollouts, rewards, metrics = collect_rollouts(
+                engine, task, config=config, step=step, timer=timer
+            )
             with timer("sleep"):
                 engine.sleep(level=2)  # CUDA: drop the engine's weights and KV cache
             if rewards.numel() > 0:  # (dynamic sampling may leave no group with signal)
                 # 2-4. what the update holds fixed, the advantages, the update (AdamW)
-                metrics |= train_on(learner, rollouts, rewards, config, step=step, timer=timer)
+                metrics |= train_on(
+                    learner, rollouts, rewards=rewards, config=config, step=step, timer=timer
+                )
             scheduler.step()
             # 5. the weight push into the engine
             with timer("sync"):
