@@ -11,10 +11,7 @@ def update(policy, optimizer, rollouts, advantages, config, pad_id: int, generat
     backward, then one AdamW step; returns its metrics."""
     device = next(policy.parameters()).device
     batches = sage.micro_batches(rollouts, config, pad_id, device)
-    held = [
-        sage.held_fixed_logps(policy, None, batch, config, step=0, generator=generator)
-        for _, batch in batches
-    ]
+    held = [sage.held_fixed_logps(policy, None, batch, config) for _, batch in batches]
     return sage.update_policy(
         policy, optimizer, batches, held, advantages, config, step=0, generator=generator
     )
