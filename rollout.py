@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import AutoTokenizer
 
 from machinery import memory_plan, vllm_backend
 from machinery.vllm_backend import check_prompts, check_sampling, one_line
 
-# vLLM is imported where an engine starts: the hf backend runs where vLLM is not installed.
+# vLLM and transformers are imported where an engine starts: flags are refused before either
+# loads, and the hf backend runs where vLLM is not installed.
 
 BACKENDS = ("vllm", "hf")
 # On CUDA the engine shares the GPU with the trainer (TRL's colocate default is 0.3) ...
@@ -171,6 +171,8 @@ class VLLMEngine:
         with vllm_backend.keep_torch_threads():
             self.llm = vllm.LLM(**kwargs)  # vLLM names its own start-up failures
         # transformers' tokenizer of the same files (vLLM's get_tokenizer() is a pool wrapper).
+        from transformers import AutoTokenizer
+
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         if model is not None:
             self.sync_weights(model)

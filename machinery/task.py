@@ -630,6 +630,8 @@ def load_reward_function(
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise RewardError(f"--reward {spec!r}: write module:function or path/to/file.py:function")
+    if where.endswith(".py") and not os.path.isfile(where):
+        raise RewardError(f"--reward {spec!r}: no file {where!r}; pass an existing .py file")
     try:  # the file's or the module's names
         found = runpy.run_path(where) if where.endswith(".py") else vars(import_module(where))
     except Exception as error:  # noqa: BLE001 -- whatever the user's module raises on import
