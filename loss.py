@@ -352,8 +352,6 @@ class LossConfig:
         for flag, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ValueError(f"unknown {flag} {value!r}: choose one of {', '.join(allowed)}")
-        if self.kl_estimator == "k1_return" and self.kl != "reverse":  # Eq. 8 is the reverse KL's
-            raise ValueError("--kl-estimator k1_return needs --kl reverse")
         if (problem := cli.out_of_range(self)) is not None:  # the ranges in the fields' metadata
             raise ValueError(problem)
 

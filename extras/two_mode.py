@@ -374,7 +374,7 @@ def predict_start(
     b_nodes = [tree.node_id[s] for s in task_tree.task_nodes if s[:1] == b_mode]
     per_phrasing, off_task, entropy_gap = [], 0.0, 0.0
     for phrasing in PHRASINGS:
-        theta, entropies, off_task = node_distributions(
+        theta, entropies, node_tails = node_distributions(
             model, build_prompt_ids(tokenizer, phrasing), task_tree
         )
         per_phrasing.append(
@@ -384,7 +384,7 @@ def predict_start(
                 ref_entropies=entropies,
                 beta=beta,
                 arms=arms,
-                off_task=off_task,
+                off_task=node_tails,
             )
         )
         # the probability that pi_ref writes a completion through OTHER

@@ -255,6 +255,8 @@ def check_config(config, error) -> None:
         )
     if budget <= 0:
         error("--max-prompt-len must be below --max-seq-len")
+    if anchor.kl_estimator == "k1_return" and anchor.kl != "reverse":  # Eq. 8 is the reverse KL's
+        error("--kl-estimator k1_return needs --kl reverse")
     if guide != "none" and (anchor.kl == "none" or anchor.beta == 0):
         error(f"--guide {guide} acts only through the KL anchor: use --kl reverse with --beta > 0")
     if sft.sft_only and not sft.sft_dataset:
