@@ -323,13 +323,15 @@ def torch_build_problem() -> str | None:
     extras/trl_sage.py and bench/gpu_step.py all ask here."""
     import torch
 
-    if not nvidia_gpu_visible() or torch.cuda.is_available():
+    if not nvidia_gpu_visible():
         return None
     if torch.version.cuda is None:  # a .venv made on a CPU login node
         return (
             f"torch {torch.__version__} is a CPU build but this machine has an NVIDIA GPU (the "
             "work would run on the CPU in float32): run `make clean install` on this node"
         )
+    if torch.cuda.is_available():
+        return None
     return (
         f"torch {torch.__version__} is a CUDA build but sees no GPU: vLLM 0.32's CUDA 13 build "
         "needs NVIDIA driver >= 580 (see nvidia-smi); to run on the CPU, set "
