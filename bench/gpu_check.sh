@@ -126,8 +126,9 @@ fi
 mkdir -p "$LOGS/plugin"
 cat > "$LOGS/plugin/gpu_check_plugin.py" <<'EOF'
 """bench/gpu_check.sh's pytest plugin. A test that fails only because this node lacks an
-optional module (vLLM, matplotlib, scipy, tensorboard, wandb: ModuleNotFoundError, or rollout.py's
-"vllm is not installed", in the test or in the output of a run it started) is reported skipped
+optional module (vLLM, matplotlib, scipy, tensorboard, wandb: ModuleNotFoundError, rollout.py's
+"vllm is not installed" or runs.py's "needs the wandb package", in the test or in the output of
+a run it started) is reported skipped
 with that reason; so is a module whose import fails for that reason at collection. The tests
 marked cuda_kernels run first. At the end it writes the counts to $GPU_CHECK_PYTEST_JSON."""
 
@@ -141,7 +142,10 @@ import pytest
 OPTIONAL = ("vllm", "matplotlib", "scipy", "tensorboard", "wandb")
 MISSING = [name for name in OPTIONAL if importlib.util.find_spec(name) is None]
 PATTERNS = {
-    name: re.compile(rf"No module named '{name}(\.[\w.]+)?'|\b{name}\b is not installed", re.I)
+    name: re.compile(
+        rf"No module named '{name}(\.[\w.]+)?'|\b{name}\b is not installed|needs the {name} package",
+        re.I,
+    )
     for name in MISSING
 }
 SKIPPED_FOR = {}  # module -> nodeids skipped because it is missing

@@ -36,8 +36,9 @@ def bench_script(name: str):
 def test_gpu_step_prints_its_keys_at_the_small_shape():
     result = last_json_line("gpu_step.py", "--small", "--repeats", "1")
     assert {"peak_memory_gb", "step_s", "tokens_per_s", "mfu", "device"} <= result.keys()
-    # the subprocess picks its own device: its answer, not this process's torch.cuda, says which
-    assert result["device"] in ("cpu", "cuda") and result["shape"] == "small"
+    # the subprocess picks its own device: its answer ("cpu", or the GPU's name), not this
+    # process's torch.cuda, says which
+    assert result["device"] and result["shape"] == "small"
     assert (result["mfu"] is None) == (result["device"] == "cpu")  # MFU: a GPU figure
     assert result["step_s"] > 0 and result["peak_memory_gb"] > 0
 
