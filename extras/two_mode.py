@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import argparse
 import glob
+import gzip
+import hashlib
 import itertools
 import json
 import math
@@ -48,13 +50,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import guides
 from extras.compare import interval, paired_difference, run
 from extras.sft import tokenize_sft_examples
-from machinery.runs import read_jsonl, save_model_atomic, write_json_atomic, write_jsonl_atomic
+from machinery.runs import (
+    atomic_output,
+    read_jsonl,
+    save_model_atomic,
+    write_json_atomic,
+    write_jsonl_atomic,
+)
 from machinery.task import build_prompt_ids
 from toy import backward
 from toy.exact import TokenTree
@@ -357,14 +366,32 @@ def predict_arms(
     return predicted
 
 
+def weights_sha256(model_dir: str) -> str:
+    """One SHA-256 over the start's weight files (*.safetensors, in name order): the start a
+    prediction was made from, so that a reader knows whether theirs is the same."""
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with open(path, "rb") as handle:
+            digest.update(hashlib.file_digest(handle, "sha256").digest())
+    return digest.hexdigest()
+
+
 def predict_start(
-    model_dir: str, task: TwoModeTask, beta: float, arms: tuple[str, ...] = tuple(ARMS)
+    model_dir: str,
+    task: TwoModeTask,
+    beta: float,
+    arms: tuple[str, ...] = tuple(ARMS),
+    nodes_path: str | None = None,
 ) -> dict:
     """The prediction of every arm from one SFT start, averaged over the phrasings (log pi(B) is
     averaged as the probe averages it), with the largest probability, over the phrasings, that
     pi_ref writes a completion off the task (through OTHER), and the largest gap between the
     full-vocabulary entropy (what the trainer's guide reads) and the tree's (OTHER lumped) at B's
-    positions."""
+    positions. ``start_sha256`` names the start's weights. With ``nodes_path``, the start's
+    node probabilities are written there (numpy's .npz, per phrasing: ``theta`` [P], the tree's
+    log-probabilities in ``TaskTree(task, tokenizer).tree``'s order, ``entropies`` [N] and
+    ``off_task`` [N, 3], as ``node_distributions`` returns them), and their SHA-256 goes in
+    ``nodes_sha256``: from them ``predict_arms`` re-makes every number without the start."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     task_tree = TaskTree(task, tokenizer)
@@ -373,10 +400,13 @@ def predict_start(
     b_mode = (task_tree.mode_ids["B"],)
     b_nodes = [tree.node_id[s] for s in task_tree.task_nodes if s[:1] == b_mode]
     per_phrasing, off_task, entropy_gap = [], 0.0, 0.0
+    nodes = {"theta": [], "entropies": [], "off_task": []}
     for phrasing in PHRASINGS:
         theta, entropies, node_tails = node_distributions(
             model, build_prompt_ids(tokenizer, phrasing), task_tree
         )
+        for name, values in zip(nodes, (theta, entropies, node_tails)):
+            nodes[name].append(values.numpy())
         per_phrasing.append(
             predict_arms(
                 task_tree,
@@ -392,14 +422,21 @@ def predict_start(
         gap = (entropies - tree.node_entropies(theta))[b_nodes].abs().max().item()
         entropy_gap = max(entropy_gap, gap)
     names = per_phrasing[0]
-    return {
+    prediction = {
         "log_pi_b": {
             name: sum(p[name] for p in per_phrasing) / len(per_phrasing) for name in names
         },
         "per_phrasing": per_phrasing,
         "max_off_task_probability": off_task,
         "max_entropy_gap_at_b": entropy_gap,
+        "start_sha256": weights_sha256(model_dir),
     }
+    if nodes_path is not None:
+        with atomic_output(nodes_path, mode="wb") as handle:
+            np.savez_compressed(handle, **{name: np.stack(v) for name, v in nodes.items()})
+        with open(nodes_path, "rb") as handle:
+            prediction["nodes_sha256"] = hashlib.file_digest(handle, "sha256").hexdigest()
+    return prediction
 
 
 # ---- 3. The stages of one seed: its SFT start, its prediction, each arm's training ------------
@@ -498,6 +535,29 @@ def trajectory(run_dir: str) -> list[dict]:
     return points
 
 
+STEP_KEYS = (
+    "reward",
+    "grad_norm",
+    "kl/ref_k3",
+    "kl/anchor_k3",
+    "kl/anchor_offset",
+    "q/mean",
+    "q/min",
+    "q/max",
+    "q/frac_active",
+    "entropy",
+)
+
+
+def step_metrics(run_dir: str) -> dict[str, list]:
+    """The run's per-step metrics.jsonl as columns ({"step": [...], "grad_norm": [...], ...}, the
+    keys of STEP_KEYS it logs), each value to 6 significant digits: what the study commits so
+    that a spike or a drift of the gradient norm, the KL terms or q can be re-checked."""
+    rows = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    keys = ["step", *(key for key in STEP_KEYS if rows and key in rows[0])]
+    return {key: [float(f"{row[key]:.6g}") for row in rows] for key in keys}
+
+
 def run_seed(seed: int, args) -> dict:
     """One seed: its start, its prediction, every arm trained; {prediction, arms: trajectories}."""
     seed_dir = os.path.join(args.out, f"seed-{seed}")
@@ -510,7 +570,13 @@ def run_seed(seed: int, args) -> dict:
             known = json.load(handle)["log_pi_b"]
     if not all(arm in known for arm in args.arms):  # made for fewer arms, or not yet
         task = TwoModeTask(k=args.k, m=args.m)
-        prediction = predict_start(files["model"], task, beta=args.beta, arms=tuple(args.arms))
+        prediction = predict_start(
+            files["model"],
+            task,
+            beta=args.beta,
+            arms=tuple(args.arms),
+            nodes_path=os.path.join(seed_dir, "start_nodes.npz"),
+        )
         write_json_atomic(prediction_file, prediction)
     with open(prediction_file) as handle:
         prediction = json.load(handle)
@@ -525,6 +591,7 @@ def run_seed(seed: int, args) -> dict:
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         done = dict(zip(args.arms, pool.map(train, args.arms)))
     result["arms"] = {arm: trajectory(run_dir) for arm, run_dir in done.items()}
+    result["steps"] = {arm: step_metrics(run_dir) for arm, run_dir in done.items()}
     return result
 
 
@@ -758,6 +825,12 @@ def main(argv: list[str] | None = None) -> dict:
         return predictions
     summary = summarize(per_seed, args, seconds=time.perf_counter() - started)
     write_json_atomic(os.path.join(args.out, "summary.json"), summary)
+    # every arm's per-step metrics, {arm: {seed: columns}}, beside the summary (gzip'd JSON)
+    steps = {
+        arm: {seed: per_seed[seed]["steps"][arm] for seed in per_seed} for arm in summary["arms"]
+    }
+    with atomic_output(os.path.join(args.out, "steps.json.gz"), mode="wb") as handle:
+        handle.write(gzip.compress(json.dumps(steps).encode()))
     plot(summary, os.path.join(args.out, "pi_b.png"))
     print(format_report(summary))
     return summary

@@ -141,3 +141,34 @@ def test_the_trainer_lifts_pi_b_toward_the_prediction_in_the_tiny_study(tmp_path
     assert 0.6 < predicted < 1.2  # Eq. 4 on this start: about K log q
     assert 0.2 < trained < predicted + 0.5
     assert (out / "pi_b.png").stat().st_size > 0
+    # the evidence a reader re-checks: each arm's per-step metrics, the start's hash, and its
+    # node probabilities, from which the prediction is re-made without the start
+    import gzip
+
+    import numpy as np
+    import torch
+    from transformers import AutoTokenizer
+
+    from extras import two_mode
+
+    steps = json.loads(gzip.decompress((out / "steps.json.gz").read_bytes()))
+    for arm in ("k1_return", "k1_return_branch_ref"):
+        columns = steps[arm][str(summary["settings"]["first_seed"])]
+        assert len(columns["grad_norm"]) == len(columns["step"]) == summary["settings"]["steps"]
+        assert {"kl/ref_k3", "q/mean"} <= columns.keys()
+    assert any(value != 1.0 for value in steps["k1_return_branch_ref"]["1000"]["q/mean"])
+    seed_dir = out / "seed-1000"
+    prediction = json.loads((seed_dir / "prediction.json").read_text())
+    assert prediction["start_sha256"] == two_mode.weights_sha256(str(seed_dir / "sft_model"))
+    nodes = np.load(seed_dir / "start_nodes.npz")
+    task = two_mode.TwoModeTask(k=summary["settings"]["k"], m=summary["settings"]["m"])
+    tree = two_mode.TaskTree(task, AutoTokenizer.from_pretrained(seed_dir / "sft_model"))
+    remade = two_mode.predict_arms(
+        tree,
+        torch.from_numpy(nodes["theta"][0]),
+        ref_entropies=torch.from_numpy(nodes["entropies"][0]),
+        beta=summary["settings"]["beta"],
+        arms=tuple(summary["settings"]["arms"]),
+        off_task=torch.from_numpy(nodes["off_task"][0]),
+    )
+    assert remade == pytest.approx(prediction["per_phrasing"][0], abs=1e-9)
