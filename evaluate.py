@@ -38,7 +38,7 @@ from machinery import cli, fast_logprobs, models
 from machinery import results as files
 from machinery.runs import write_json_atomic
 from machinery.task import (
-    SOLUTION_FORMATS,
+    GRADERS,
     DataError,
     build_prompt_ids,
     default_pool,
@@ -175,6 +175,11 @@ class EvalSampling:
     top_k: int = -1
     min_p: float = 0.01
     max_tokens: int = 1536
+
+
+# What a reference solution's field holds (``solution_completion_ids``): a worked solution to put
+# in the paper's answer format, or a completion prefix as it is.
+SOLUTION_FORMATS = ("paper", "prefix")
 
 
 @dataclass
@@ -783,7 +788,7 @@ class EvalArgs:
     """Column holding the problem, for local files."""
     answer_key: str = "answer"
     """Column holding the reference answer, for local files."""
-    grader: str = "math"
+    grader: str = field(default="math", metadata={"choices": GRADERS})
     """Grader for local files: math | knights_knaves."""
     solution_key: str = ""
     """Column holding a reference solution (local files, or a named benchmark's own column such

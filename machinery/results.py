@@ -26,7 +26,7 @@ import time
 import torch
 
 from machinery.runs import write_jsonl_atomic
-from machinery.task import DataError, problems_fingerprint
+from machinery.task import DataError
 
 # --------------------------------------------------------------------------------------------
 # 1. The model: what was evaluated, and the engine on it (an adapter merged in memory)
@@ -144,6 +144,12 @@ def new_results(args, benchmarks: dict, sampling, ks: list[int]) -> dict:
         },
         "runs": [],
     }
+
+
+def problems_fingerprint(problems) -> str:
+    """sha256 of the problems, answers and graders (a resumed run must see the same ones)."""
+    payload = json.dumps([(p.problem, p.answer, p.grader) for p in problems], ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()
 
 
 def check_resumable(existing: dict, fresh: dict, out: str) -> None:
