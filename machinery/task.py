@@ -400,14 +400,8 @@ def sft_completion(reasoning: str, answer: str) -> str:
 
 
 _SOLUTION_BLOCK = re.compile(r"<SOLUTION>(.*?)</SOLUTION>", re.DOTALL)
-
-
 _LATEX_DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
-
-
 _PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")  # a word, not a LaTeX command
-
-
 _PLAIN_NUMBER = re.compile(r"\s*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*-?\d+)?\s*%?\s*")
 
 
@@ -430,12 +424,15 @@ def _quiet_math_verify() -> None:
     logging.getLogger("latex2sympy2_extended").setLevel(logging.ERROR)
 
 
+@functools.lru_cache(maxsize=4096)
 def _parse_short_answer(text: str, timeout: int | None) -> list:
     """math-verify's parse of a bare answer such as ``1/2``, ``\\frac{1}{2}`` or ``(1, 2]``.
 
     Bare LaTeX is wrapped in ``$...$`` first, so that sets and intervals are read as such
-    (unwrapped, math-verify reads ``(1, 2]`` as the number 2); prose and plain numbers are
-    parsed as they are (plain numbers skip the LaTeX parser: ~1 ms instead of ~20 ms).
+    (unwrapped, math-verify reads ``(1, 2]`` as the number 2: its LaTeX extraction needs a
+    delimiter, and no option of its parse reads bare LaTeX); prose and plain numbers are parsed
+    as they are (plain numbers skip the LaTeX parser: ~1 ms instead of ~20 ms). Cached: the
+    trainer grades G = 8 completions per reference, evaluation n = 256, and answers repeat.
     """
     from math_verify import parse
 
@@ -449,16 +446,10 @@ def _parse_short_answer(text: str, timeout: int | None) -> list:
     return parse(first, parsing_timeout=timeout) or parse(second, parsing_timeout=timeout)
 
 
-@functools.lru_cache(maxsize=4096)
-def _parse_reference(answer: str, timeout: int | None) -> list:
-    # Cached: the trainer grades G = 8 completions per reference, evaluation n = 256.
-    return _parse_short_answer(answer, timeout)
-
-
 def _grade_math(completion: str, answer: str, timeout: int | None) -> bool:
     from math_verify import parse, verify
 
-    reference = _parse_reference(str(answer), timeout)
+    reference = _parse_short_answer(str(answer), timeout)
     if not reference:
         return False
     solution = extract_solution(completion)
@@ -480,9 +471,8 @@ def _grade_knights_knaves(completion: str, answer: str) -> bool:
     """
     reference = {name: role.lower() for name, role in _ROLE_STATEMENT.findall(answer)}
     solution = extract_solution(completion)
-    predicted = {}
-    for name, role in _ROLE_STATEMENT.findall(completion if solution is None else solution):
-        predicted[name] = role.lower()
+    stated = _ROLE_STATEMENT.findall(completion if solution is None else solution)
+    predicted = {name: role.lower() for name, role in stated}  # the last statement wins
     return bool(reference) and all(predicted.get(name) == role for name, role in reference.items())
 
 
