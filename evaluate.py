@@ -722,14 +722,10 @@ def check_solutions(benchmarks: dict, solution_key: str, flag: str = "--solution
 def probe_benchmarks(args: EvalArgs, benchmarks: dict, results: dict) -> None:
     """The support probe (section 3) of the model (its adapter merged) on each benchmark of
     {name: problems}, at the evaluation's temperature and min-p, into ``results``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     check_solutions(benchmarks, args.solution_key)  # before the model loads
-    if args.adapter:
-        model = files.load_merged_model(args.model, args.adapter, args.dtype)
-    else:
-        dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    model = files.load_merged_model(args.model, args.adapter, args.dtype)
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     for name, problems in benchmarks.items():
