@@ -38,7 +38,7 @@ from machinery import cli, fast_logprobs, models
 from machinery import results as files
 from machinery.runs import write_json_atomic
 from machinery.task import (
-    SOLUTION_FORMATS,
+    GRADERS,
     DataError,
     build_prompt_ids,
     default_pool,
@@ -175,6 +175,11 @@ class EvalSampling:
     top_k: int = -1
     min_p: float = 0.01
     max_tokens: int = 1536
+
+
+# What a reference solution's field holds (``solution_completion_ids``): a worked solution to put
+# in the paper's answer format, or a completion prefix as it is.
+SOLUTION_FORMATS = ("paper", "prefix")
 
 
 @dataclass
@@ -717,14 +722,10 @@ def check_solutions(benchmarks: dict, solution_key: str, flag: str = "--solution
 def probe_benchmarks(args: EvalArgs, benchmarks: dict, results: dict) -> None:
     """The support probe (section 3) of the model (its adapter merged) on each benchmark of
     {name: problems}, at the evaluation's temperature and min-p, into ``results``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     check_solutions(benchmarks, args.solution_key)  # before the model loads
-    if args.adapter:
-        model = files.load_merged_model(args.model, args.adapter, args.dtype)
-    else:
-        dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    model = files.load_merged_model(args.model, args.adapter, args.dtype)
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     for name, problems in benchmarks.items():
@@ -783,7 +784,7 @@ class EvalArgs:
     """Column holding the problem, for local files."""
     answer_key: str = "answer"
     """Column holding the reference answer, for local files."""
-    grader: str = "math"
+    grader: str = field(default="math", metadata={"choices": GRADERS})
     """Grader for local files: math | knights_knaves."""
     solution_key: str = ""
     """Column holding a reference solution (local files, or a named benchmark's own column such

@@ -26,17 +26,11 @@ import time
 import torch
 
 from machinery.runs import write_jsonl_atomic
-from machinery.task import DataError, problems_fingerprint
+from machinery.task import DataError
 
 # --------------------------------------------------------------------------------------------
 # 1. The model: what was evaluated, and the engine on it (an adapter merged in memory)
 # --------------------------------------------------------------------------------------------
-
-
-def sha256_file(path: str) -> str:
-    """sha256 of a file's bytes."""
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def model_identity(model_path: str, adapter_path: str | None = None) -> dict:
@@ -63,8 +57,7 @@ def model_identity(model_path: str, adapter_path: str | None = None) -> dict:
         identity["architectures"] = config.get("architectures")
         for name in sorted(os.listdir(model_path)):
             if name.endswith((".safetensors", ".bin", ".pt")):
-                size = os.path.getsize(os.path.join(model_path, name))
-                digest.update(f"{name}:{size}".encode())
+                digest.update(f"{name}:{os.path.getsize(os.path.join(model_path, name))}".encode())
     else:
         digest.update(model_path.encode())
     if adapter_path:
@@ -74,19 +67,23 @@ def model_identity(model_path: str, adapter_path: str | None = None) -> dict:
             )
         for name in sorted(os.listdir(adapter_path)):
             if name.startswith("adapter_"):
-                digest.update(f"{name}:{sha256_file(os.path.join(adapter_path, name))}".encode())
+                with open(os.path.join(adapter_path, name), "rb") as handle:
+                    file_sha256 = hashlib.file_digest(handle, "sha256").hexdigest()
+                digest.update(f"{name}:{file_sha256}".encode())
     identity["fingerprint"] = digest.hexdigest()
     return identity
 
 
-def load_merged_model(model_path: str, adapter_path: str, dtype: str = "auto"):
-    """The base model with a peft LoRA adapter merged into its weights, in memory (no copy on
-    disk); the engine then takes these weights through ``sync_weights``."""
+def load_merged_model(model_path: str, adapter_path: str | None, dtype: str):
+    """The model evaluated: the base, with a peft LoRA adapter (if given) merged into its weights
+    in memory (no copy on disk); the engine takes merged weights through ``sync_weights``."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+    if not adapter_path:
+        return base
     return PeftModel.from_pretrained(base, adapter_path).merge_and_unload().eval()
 
 
@@ -146,29 +143,31 @@ def new_results(args, benchmarks: dict, sampling, ks: list[int]) -> dict:
     }
 
 
-def check_resumable(existing: dict, fresh: dict, out: str) -> None:
-    """An existing file resumes only the same model, sampling, ks and problems."""
+def problems_fingerprint(problems) -> str:
+    """sha256 of the problems, answers and graders (a resumed run must see the same ones)."""
+    payload = json.dumps([(p.problem, p.answer, p.grader) for p in problems], ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def merge_existing(results: dict, out: str) -> None:
+    """Take the finished seeds of an existing results file, which resumes only the same model,
+    sampling, ks and problems."""
+    if not os.path.exists(out):
+        return
+    with open(out) as handle:
+        existing = json.load(handle)
     for key in ("model", "sampling", "ks"):
-        if existing.get(key) != fresh[key]:
+        if existing.get(key) != results[key]:
             raise DataError(
-                f"{out} holds results for a different {key} ({existing.get(key)} != {fresh[key]}); "
-                "pass another --out or delete the file"
+                f"{out} holds results for a different {key} ({existing.get(key)} != "
+                f"{results[key]}); pass another --out or delete the file"
             )
-    for name, entry in fresh["benchmarks"].items():
+    for name, entry in results["benchmarks"].items():
         old = existing.get("benchmarks", {}).get(name)
         if old and old["problems_sha256"] != entry["problems_sha256"]:
             raise DataError(
                 f"{out}: benchmark {name!r} changed since the last run; pass another --out"
             )
-
-
-def merge_existing(results: dict, out: str) -> None:
-    """Take the finished seeds of an existing results file (same model, sampling and problems)."""
-    if not os.path.exists(out):
-        return
-    with open(out) as handle:
-        existing = json.load(handle)
-    check_resumable(existing, results, out)
     for name, entry in existing["benchmarks"].items():
         if name in results["benchmarks"]:
             results["benchmarks"][name]["seeds"] = entry["seeds"]
@@ -203,25 +202,21 @@ def pending_seeds(results: dict, seeds: list[int], names: list[str], out: str) -
 # --------------------------------------------------------------------------------------------
 
 
-COMPLETION_FIELDS = ("text", "token_ids", "finish_reason", "correct", "logprob")
-
-
 def save_completions(
     directory: str, name: str, seed: int, problems, prompts, samples, span: slice
 ) -> None:
     """One JSONL per (benchmark, seed): a row per problem with its samples (evaluate.SeedSamples
     ``samples``, the problems of this benchmark at ``span``)."""
+    fields = {
+        "text": samples.texts,
+        "token_ids": samples.token_ids,
+        "finish_reason": samples.finish_reasons,
+        "correct": samples.correct,
+        "logprob": samples.logprob_sums,
+    }
     rows = []
     for index, (problem, prompt_ids) in enumerate(zip(problems, prompts)):
-        i = span.start + index
-        per_sample = (
-            samples.texts,
-            samples.token_ids,
-            samples.finish_reasons,
-            samples.correct,
-            samples.logprob_sums,
-        )  # in the order of COMPLETION_FIELDS
-        completions = zip(*(values[i] for values in per_sample))
+        columns = [values[span.start + index] for values in fields.values()]
         rows.append(
             {
                 "benchmark": name,
@@ -231,7 +226,7 @@ def save_completions(
                 "answer": problem.answer,
                 "grader": problem.grader,
                 "prompt_ids": prompt_ids,
-                "completions": [dict(zip(COMPLETION_FIELDS, values)) for values in completions],
+                "completions": [dict(zip(fields, values)) for values in zip(*columns)],
             }
         )
     write_jsonl_atomic(os.path.join(directory, f"{name}.seed{seed}.jsonl"), rows)

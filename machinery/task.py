@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import hashlib
 import inspect
 import json
 import logging
@@ -49,7 +48,7 @@ from machinery.grading_pool import DEFAULT_TIMEOUT_S as GRADE_TIMEOUT_S
 from machinery.grading_pool import GradingPool
 
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-GRADERS = ("math", "knights_knaves")
+GRADERS = ("math", "knights_knaves")  # evaluate.py's --grader choices
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,13 +211,13 @@ class Problem:
 
 
 @dataclass(frozen=True)
-class HubSource:
-    """Where (part of) a benchmark lives on the Hugging Face hub."""
+class Source:
+    """Where (part of) a benchmark lives: a hub dataset or a local file, and its fields."""
 
     path: str
-    split: str
-    problem_key: str
-    answer_key: str
+    split: str = "train"
+    problem_key: str = "problem"
+    answer_key: str = "answer"
     config: str | None = None
     data_files: str | None = None
     level: int | None = None  # keep rows with this "level" (MATH-500's difficulty)
@@ -226,7 +225,7 @@ class HubSource:
 
 @dataclass(frozen=True)
 class Benchmark:
-    sources: tuple[HubSource, ...]
+    sources: tuple[Source, ...]
     grader: str = "math"
     paper_size: int | None = None  # the number of problems in the paper (section 5.1)
 
@@ -235,100 +234,38 @@ class Benchmark:
 BENCHMARKS = {
     "aime": Benchmark(
         (
-            HubSource("HuggingFaceH4/aime_2024", "train", "problem", "answer"),
-            HubSource("opencompass/AIME2025", "test", "question", "answer", config="AIME2025-I"),
-            HubSource("opencompass/AIME2025", "test", "question", "answer", config="AIME2025-II"),
+            Source("HuggingFaceH4/aime_2024"),
+            Source(
+                "opencompass/AIME2025", split="test", problem_key="question", config="AIME2025-I"
+            ),
+            Source(
+                "opencompass/AIME2025", split="test", problem_key="question", config="AIME2025-II"
+            ),
         ),
         paper_size=60,
     ),
-    "amc23": Benchmark((HubSource("math-ai/amc23", "test", "question", "answer"),), paper_size=40),
+    "amc23": Benchmark(
+        (Source("math-ai/amc23", split="test", problem_key="question"),), paper_size=40
+    ),
     "math500-l5": Benchmark(
-        (HubSource("HuggingFaceH4/MATH-500", "test", "problem", "answer", level=5),), paper_size=134
+        (Source("HuggingFaceH4/MATH-500", split="test", level=5),), paper_size=134
     ),
     "minerva": Benchmark(
-        (HubSource("math-ai/minervamath", "test", "question", "answer"),), paper_size=272
+        (Source("math-ai/minervamath", split="test", problem_key="question"),), paper_size=272
     ),
     # Xie et al. 2024, all seven test files (2 to 8 people, 100 puzzles each).
     "knights-and-knaves": Benchmark(
         (
-            HubSource(
+            Source(
                 "K-and-K/knights-and-knaves",
-                "train",
-                "quiz",
-                "solution_text_format",
+                problem_key="quiz",
+                answer_key="solution_text_format",
                 data_files="test/people*_num100.jsonl",
             ),
         ),
         grader="knights_knaves",
     ),
 }
-
-
-def rows_to_problems(
-    rows: list[dict],
-    problem_key: str,
-    answer_key: str,
-    grader: str,
-    where: str,
-    solution_key: str = "",
-    group_key: str = "",
-) -> list[Problem]:
-    """Rows -> Problems; ``solution_key`` and ``group_key`` (optional) fill ``solution`` and
-    ``group`` where a row has them ("" where it does not)."""
-    require_fields(rows, (problem_key, answer_key), where, "--problem-key / --answer-key")
-    return [
-        Problem(
-            problem=str(row[problem_key]),
-            answer=str(row[answer_key]),
-            grader=grader,
-            solution=str(row.get(solution_key) or "").strip() if solution_key else "",
-            group=str(row.get(group_key) or "") if group_key else "",
-        )
-        for row in rows
-    ]
-
-
-def load_benchmark(name: str, solution_key: str = "", group_key: str = "") -> list[Problem]:
-    """A benchmark by name (``BENCHMARKS``), from the hub or the local datasets cache; its rows'
-    ``solution_key`` and ``group_key`` fields (MATH-500: solution, level) fill the problems'
-    reference solution and group.
-
-    Offline and not cached, it raises one line naming the fixes: run once online (the cache
-    then serves offline runs, e.g. with HF_HUB_OFFLINE=1), or pass a local file.
-    """
-    if name not in BENCHMARKS:
-        raise DataError(
-            f"unknown benchmark {name!r}; use one of {', '.join(BENCHMARKS)} "
-            "or a .jsonl/.parquet file"
-        )
-    benchmark, problems = BENCHMARKS[name], []
-    for source in benchmark.sources:
-        try:
-            rows = load_rows(source.path, source.config, source.split, source.data_files)
-        except DataError as error:
-            raise DataError(
-                f"benchmark {name!r}: {error} with --problem-key/--answer-key"
-            ) from None
-        if source.level is not None:
-            rows = [
-                row for row in rows if str(row["level"]).removeprefix("Level ") == str(source.level)
-            ]
-        problems += rows_to_problems(
-            rows,
-            problem_key=source.problem_key,
-            answer_key=source.answer_key,
-            grader=benchmark.grader,
-            where=source.path,
-            solution_key=solution_key,
-            group_key=group_key,
-        )
-    if benchmark.paper_size and len(problems) != benchmark.paper_size:
-        print(
-            f"[data] note: {name} has {len(problems)} problems here, "
-            f"{benchmark.paper_size} in the paper",
-            file=sys.stderr,
-        )
-    return problems
 
 
 def resolve_benchmarks(
@@ -339,42 +276,71 @@ def resolve_benchmarks(
     solution_key: str = "",
     group_key: str = "",
 ) -> dict[str, tuple[str, list[Problem]]]:
-    """``aime,amc23,path/to/mine.jsonl`` -> {name: (source, problems)}; files are named by stem.
-    Local files' ``solution_key`` and ``group_key`` fields fill each problem's reference solution
-    and group (the support probe's input)."""
-    if grader not in GRADERS:
-        raise DataError(f"unknown grader {grader!r}; use one of {', '.join(GRADERS)}")
+    """``aime,amc23,path/to/mine.jsonl`` -> {name: (source, problems)}: a name of ``BENCHMARKS``
+    from the hub or the local datasets cache, or a local file, named by its stem, with its
+    ``problem_key`` and ``answer_key`` fields and graded by ``grader``. The rows'
+    ``solution_key`` and ``group_key`` fields (MATH-500: solution, level) fill each problem's
+    reference solution and group (the support probe's input), "" where a row has none.
+
+    A benchmark offline and not cached raises one line naming the fixes: run once online (the
+    cache then serves offline runs, e.g. with HF_HUB_OFFLINE=1), or pass a local file.
+    """
     resolved = {}
-    for entry in (part.strip() for part in spec.split(",")):
-        if not entry:
-            continue
-        if os.path.splitext(entry)[1].lower() in LOCAL_FORMATS:
-            name = os.path.splitext(os.path.basename(entry))[0]
-            problems = rows_to_problems(
-                load_rows(entry),
-                problem_key=problem_key,
-                answer_key=answer_key,
-                grader=grader,
-                where=entry,
-                solution_key=solution_key,
-                group_key=group_key,
+    for entry in filter(None, (part.strip() for part in spec.split(","))):
+        stem, extension = os.path.splitext(os.path.basename(entry))
+        if extension.lower() in LOCAL_FORMATS:
+            name, where = stem, os.path.abspath(entry)
+            benchmark = Benchmark(
+                (Source(entry, problem_key=problem_key, answer_key=answer_key),), grader
             )
-            resolved[name] = (os.path.abspath(entry), problems)
+        elif entry in BENCHMARKS:
+            name, benchmark = entry, BENCHMARKS[entry]
+            where = "hub:" + ",".join(source.path for source in benchmark.sources)
         else:
-            sources = BENCHMARKS[entry].sources if entry in BENCHMARKS else ()
-            problems = load_benchmark(entry, solution_key=solution_key, group_key=group_key)
-            resolved[entry] = ("hub:" + ",".join(s.path for s in sources), problems)
-        if not resolved[list(resolved)[-1]][1]:
+            raise DataError(
+                f"unknown benchmark {entry!r}; use one of {', '.join(BENCHMARKS)} "
+                "or a .jsonl/.parquet file"
+            )
+        problems = []
+        for source in benchmark.sources:
+            try:
+                rows = load_rows(source.path, source.config, source.split, source.data_files)
+            except DataError as error:
+                if entry not in BENCHMARKS:  # a local file's line says it all
+                    raise
+                raise DataError(
+                    f"benchmark {name!r}: {error} with --problem-key/--answer-key"
+                ) from None
+            if source.level is not None:
+                rows = [
+                    row
+                    for row in rows
+                    if str(row["level"]).removeprefix("Level ") == str(source.level)
+                ]
+            keys = (source.problem_key, source.answer_key)
+            require_fields(rows, keys, source.path, "--problem-key / --answer-key")
+            problems += [
+                Problem(
+                    problem=str(row[source.problem_key]),
+                    answer=str(row[source.answer_key]),
+                    grader=benchmark.grader,
+                    solution=str(row.get(solution_key) or "").strip() if solution_key else "",
+                    group=str(row.get(group_key) or "") if group_key else "",
+                )
+                for row in rows
+            ]
+        if benchmark.paper_size and len(problems) != benchmark.paper_size:
+            print(
+                f"[data] note: {name} has {len(problems)} problems here, "
+                f"{benchmark.paper_size} in the paper",
+                file=sys.stderr,
+            )
+        if not problems:
             raise DataError(f"benchmark {entry!r} has no problems")
+        resolved[name] = (where, problems)
     if not resolved:
         raise DataError("no benchmarks given; pass e.g. --benchmarks aime,amc23,math500-l5")
     return resolved
-
-
-def problems_fingerprint(problems: Sequence[Problem]) -> str:
-    """sha256 of the problems, answers and graders (a resumed run must see the same ones)."""
-    payload = json.dumps([(p.problem, p.answer, p.grader) for p in problems], ensure_ascii=False)
-    return hashlib.sha256(payload.encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------------------------
@@ -403,11 +369,6 @@ def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of chat messages through the tokenizer's template, the assistant turn opened."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-# What a reference solution's field holds, for the support probe (the solution_completion_ids of
-# evaluate.py): a worked solution to put in the answer format below, or a completion prefix as is.
-SOLUTION_FORMATS = ("paper", "prefix")
 
 
 def format_completion(working: str, answer: str) -> str:
@@ -439,14 +400,8 @@ def sft_completion(reasoning: str, answer: str) -> str:
 
 
 _SOLUTION_BLOCK = re.compile(r"<SOLUTION>(.*?)</SOLUTION>", re.DOTALL)
-
-
 _LATEX_DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
-
-
 _PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")  # a word, not a LaTeX command
-
-
 _PLAIN_NUMBER = re.compile(r"\s*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*-?\d+)?\s*%?\s*")
 
 
@@ -469,12 +424,15 @@ def _quiet_math_verify() -> None:
     logging.getLogger("latex2sympy2_extended").setLevel(logging.ERROR)
 
 
+@functools.lru_cache(maxsize=4096)
 def _parse_short_answer(text: str, timeout: int | None) -> list:
     """math-verify's parse of a bare answer such as ``1/2``, ``\\frac{1}{2}`` or ``(1, 2]``.
 
     Bare LaTeX is wrapped in ``$...$`` first, so that sets and intervals are read as such
-    (unwrapped, math-verify reads ``(1, 2]`` as the number 2); prose and plain numbers are
-    parsed as they are (plain numbers skip the LaTeX parser: ~1 ms instead of ~20 ms).
+    (unwrapped, math-verify reads ``(1, 2]`` as the number 2: its LaTeX extraction needs a
+    delimiter, and no option of its parse reads bare LaTeX); prose and plain numbers are parsed
+    as they are (plain numbers skip the LaTeX parser: ~1 ms instead of ~20 ms). Cached: the
+    trainer grades G = 8 completions per reference, evaluation n = 256, and answers repeat.
     """
     from math_verify import parse
 
@@ -488,16 +446,10 @@ def _parse_short_answer(text: str, timeout: int | None) -> list:
     return parse(first, parsing_timeout=timeout) or parse(second, parsing_timeout=timeout)
 
 
-@functools.lru_cache(maxsize=4096)
-def _parse_reference(answer: str, timeout: int | None) -> list:
-    # Cached: the trainer grades G = 8 completions per reference, evaluation n = 256.
-    return _parse_short_answer(answer, timeout)
-
-
 def _grade_math(completion: str, answer: str, timeout: int | None) -> bool:
     from math_verify import parse, verify
 
-    reference = _parse_reference(str(answer), timeout)
+    reference = _parse_short_answer(str(answer), timeout)
     if not reference:
         return False
     solution = extract_solution(completion)
@@ -519,9 +471,8 @@ def _grade_knights_knaves(completion: str, answer: str) -> bool:
     """
     reference = {name: role.lower() for name, role in _ROLE_STATEMENT.findall(answer)}
     solution = extract_solution(completion)
-    predicted = {}
-    for name, role in _ROLE_STATEMENT.findall(completion if solution is None else solution):
-        predicted[name] = role.lower()
+    stated = _ROLE_STATEMENT.findall(completion if solution is None else solution)
+    predicted = {name: role.lower() for name, role in stated}  # the last statement wins
     return bool(reference) and all(predicted.get(name) == role for name, role in reference.items())
 
 
