@@ -134,18 +134,16 @@ def enable_gradient_checkpointing(model) -> None:
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 
-def keep_freed_memory(largest_reused_block: int = 32 * 2**20, kept_free: int = 2**30) -> bool:
+def keep_freed_memory() -> bool:
     """Let glibc's malloc keep the memory of freed activations for the next micro-batch: by
     default a block over 128 KiB is mapped fresh, unmapped when freed, and every page of it
-    faults and is zero-filled again at first touch (docs/history.md). Blocks up to
-    ``largest_reused_block`` come from the heap, and up to ``kept_free`` bytes of it stay with
-    the process. Whether both settings took (False where the C library is not glibc)."""
+    faults and is zero-filled again at first touch (docs/history.md). Blocks up to 32 MiB come
+    from the heap, and up to 1 GiB of it stays with the process. Whether both settings took
+    (False where the C library is not glibc)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the process's own C library
     if mallopt is None:
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, largest_reused_block)) and bool(
-        mallopt(M_TRIM_THRESHOLD, kept_free)
-    )
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 * 2**20)) and bool(mallopt(M_TRIM_THRESHOLD, 2**30))
 
 
 def load_base_model(path: str, gradient_checkpointing: bool = False, full_finetune: bool = False):
