@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from machinery import memory_plan, vllm_backend
-from machinery.vllm_backend import check_prompts, check_sampling, one_line
+from machinery import cli, memory_plan, vllm_backend
+from machinery.vllm_backend import check_prompts, one_line
 
 # vLLM and transformers are imported where an engine starts: flags are refused before either
 # loads, and the hf backend runs where vLLM is not installed.
@@ -43,23 +43,24 @@ class SamplingConfig:
     temperature=1.0, min_p=0.01, top_p=1.0, top_k off; its evaluation: temperature=0.3,
     top_p=0.95. vLLM's order: temperature, min-p, top-k, top-p."""
 
-    n: int = 8
+    n: int = field(default=8, metadata={"range": ">= 1"})
     """Completions per prompt (the group size G)."""
-    temperature: float = 1.0
+    temperature: float = field(default=1.0, metadata={"range": ">= 0"})
     """Softmax temperature T; 0 samples greedily."""
-    top_p: float = 1.0
+    top_p: float = field(default=1.0, metadata={"range": "in (0, 1]"})
     """Nucleus mass kept (1.0: off)."""
-    top_k: int = -1
+    top_k: int = field(default=-1, metadata={"range": ">= -1"})
     """Most likely tokens kept (-1 or 0: off)."""
-    min_p: float = 0.01
+    min_p: float = field(default=0.01, metadata={"range": "in [0, 1)"})
     """Keep v with pi_T(v) >= min_p * max pi_T (0: off)."""
-    max_tokens: int = 256
+    max_tokens: int = field(default=256, metadata={"range": ">= 1"})
     """Completion length limit; a completion cut there has finish_reason "length"."""
     seed: int | None = None
     """Same seed, same samples (per backend); None draws from the engine's RNG."""
 
     def __post_init__(self):
-        check_sampling(self)
+        if (problem := cli.out_of_range(self)) is not None:  # the ranges in the fields' metadata
+            raise RolloutError(problem)
 
 
 @dataclass

@@ -23,7 +23,6 @@ that does not import and a torch that cannot use this machine's GPU.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import glob
 import inspect
@@ -33,27 +32,21 @@ import sys
 import typing
 from collections.abc import Sequence
 
+import docstring_parser
+
 from machinery import UsageError
 from machinery.task import LOCAL_FORMATS, RewardError, load_reward_function
 
 
 def field_docs(cls) -> dict[str, str]:
-    """The docstring under each field of a dataclass, read from its source.
+    """The docstring under each field of a dataclass, read from its source by docstring_parser.
 
     >>> import rollout
     >>> field_docs(rollout.SamplingConfig)["n"]
     'Completions per prompt (the group size G).'
     """
-    try:
-        body = ast.parse(inspect.getsource(cls).strip()).body[0].body
-    except (OSError, TypeError):  # a class without source (defined in a doctest, say)
-        return {}
-    docs = {}
-    for node, following in zip(body, body[1:]):
-        match node, following:
-            case ast.AnnAssign(target=ast.Name(id=name)), ast.Expr(ast.Constant(str(doc))):
-                docs[name] = " ".join(doc.split())
-    return docs
+    fields = docstring_parser.parse_from_object(cls).params
+    return {f.arg_name: " ".join(f.description.split()) for f in fields if f.args[0] == "attribute"}
 
 
 def flag_of(item: dataclasses.Field) -> str | None:
@@ -156,9 +149,9 @@ def out_of_range(instance, rules: dict[str, str] | None = None) -> str | None:
     """The one-line complaint about the first field of ``instance`` (not the nested dataclasses)
     out of its range: its metadata's, else ``rules``' for its flag; None (unset) passes.
 
-    >>> import rollout
-    >>> out_of_range(rollout.SamplingConfig(), rules={"n": ">= 10"})
-    '--n 8: must be a finite number >= 10'
+    >>> import evaluate
+    >>> out_of_range(evaluate.EvalSampling(), rules={"top-p": "in (0, 0.9]"})
+    '--top-p 0.95: must be a finite number in (0, 0.9]'
     """
     for item in dataclasses.fields(instance):
         flag, value = flag_of(item), getattr(instance, item.name)

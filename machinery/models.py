@@ -4,9 +4,9 @@ fits on one GPU.
 * A --model is a local directory or a hub ``org/name`` as it is, or a short name of the paper's
   models (Qwen2.5-Math-7B) with its organization, said once; any other bare name is refused in
   one line naming ``org/name`` (``resolve_model``). A hub name that is not in the local cache is
-  first asked of the hub once, briefly: the loaders retry a hub that does not answer five times
-  (back-off 1, 2, 4, 8, 8 s, each try waiting up to HF_HUB_ETAG_TIMEOUT), half a minute to
-  minutes before a traceback, so an unreachable hub is one line instead.
+  first asked of the hub once, briefly (``check_hub_reach``): the loaders retry a hub that does
+  not answer five times (back-off 1, 2, 4, 8, 8 s, each try waiting up to HF_HUB_ETAG_TIMEOUT),
+  half a minute to minutes before a traceback, so an unreachable hub is one line instead.
 * The base model loads in bf16 on CUDA (float32 on CPU), with flash-attention 2 when a build is
   installed (else PyTorch's SDPA), and gradient checkpointing for long completions.
   Fine-tuning every weight keeps them in float32 on CUDA too: an AdamW step of lr = 5e-6 is
@@ -53,12 +53,8 @@ class ModelError(UsageError):
 
 
 def resolve_model(model: str) -> str:
-    """``model`` as the loaders take it: a short name (any case) with its organization; a hub
-    name neither cached nor answered within ``REACH_TIMEOUT_S`` is a ModelError (HF_HUB_OFFLINE=1
-    never asks)."""
-    from huggingface_hub import constants, model_info, try_to_load_from_cache
-    from huggingface_hub.errors import HfHubHTTPError
-
+    """``model`` as the loaders take it: a local path as it is, a short name (any case) with its
+    organization; a hub name must be in the cache or answer (``check_hub_reach``)."""
     if os.path.exists(os.path.expanduser(model)):
         return model
     if "/" not in model:
@@ -70,21 +66,30 @@ def resolve_model(model: str) -> str:
             )
         print(f"[model] {model} is {SHORT_NAMES[model.lower()]} on the hub", file=sys.stderr)
         model = SHORT_NAMES[model.lower()]
+    check_hub_reach(model)
+    return model
+
+
+def check_hub_reach(model: str) -> None:
+    """A ModelError for a hub name that is neither cached nor answered within
+    ``REACH_TIMEOUT_S`` (HF_HUB_OFFLINE=1 never asks)."""
+    from huggingface_hub import constants, model_info, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError
+
     if constants.HF_HUB_OFFLINE:
-        return model
+        return
     try:
         if isinstance(try_to_load_from_cache(model, "config.json"), str):
-            return model  # cached: the loaders fall back to it at once
+            return  # cached: the loaders fall back to it at once
         model_info(model, timeout=REACH_TIMEOUT_S)  # one try, no retries
     except (ValueError, HfHubHTTPError):  # not a hub name, or the hub answered: the loader says
-        return model
+        return
     except Exception as error:  # noqa: BLE001 -- the HTTP client's refused, no route, timed out
         raise ModelError(
             f"--model {model}: the hub at {constants.ENDPOINT} cannot be reached "
             f"({one_line(error)}) and the model is not in the local cache: check the network (or "
             "HF_ENDPOINT), or pass a local model directory"
         ) from None
-    return model
 
 
 def cannot_load(model: str, error: BaseException) -> str:
@@ -129,18 +134,16 @@ def enable_gradient_checkpointing(model) -> None:
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 
-def keep_freed_memory(largest_reused_block: int = 32 * 2**20, kept_free: int = 2**30) -> bool:
+def keep_freed_memory() -> bool:
     """Let glibc's malloc keep the memory of freed activations for the next micro-batch: by
     default a block over 128 KiB is mapped fresh, unmapped when freed, and every page of it
-    faults and is zero-filled again at first touch (docs/history.md). Blocks up to
-    ``largest_reused_block`` come from the heap, and up to ``kept_free`` bytes of it stay with
-    the process. Whether both settings took (False where the C library is not glibc)."""
+    faults and is zero-filled again at first touch (docs/history.md). Blocks up to 32 MiB come
+    from the heap, and up to 1 GiB of it stays with the process. Whether both settings took
+    (False where the C library is not glibc)."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the process's own C library
     if mallopt is None:
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, largest_reused_block)) and bool(
-        mallopt(M_TRIM_THRESHOLD, kept_free)
-    )
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 * 2**20)) and bool(mallopt(M_TRIM_THRESHOLD, 2**30))
 
 
 def load_base_model(path: str, gradient_checkpointing: bool = False, full_finetune: bool = False):

