@@ -58,7 +58,7 @@ def plan(config, card_bytes: int, with_reference: bool, update: dict | None = No
         "hf_backend_fits": peaks["hf_peak"] <= peaks["usable"],
         "probe_activations_gb": gigabytes(peaks["probe"]["peak"]),
         "probe_peak_gb": gigabytes(peaks["awake"] + peaks["probe"]["peak"]),
-        "probe_counted": memory_plan.probe_runs(config),
+        "probe_counted": peaks["probe_counted"],
         "run_peak_gb": gigabytes(peaks["run_peak"]),
         "trainer_peak_gb": gigabytes(peaks["trainer_peak"]),
         "usable_gb": gigabytes(peaks["usable"]),
