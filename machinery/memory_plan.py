@@ -1,12 +1,12 @@
-"""The GPU memory of a run on CUDA, forecast before anything loads: its refusal, and the engine's
-share of the GPU.
+"""The GPU memory of a run on CUDA, forecast before anything loads: its one refusal, and the
+engine's share of the GPU.
 
 Only the model's config.json is read. The trainer's update is counted in closed form
 (``estimate_update_peak``, a few dozen lines of arithmetic); ``before_loading`` refuses a run
-that cannot fit with one line naming the flag to change. ``sage.py --plan-memory`` prints the
-same forecast for people (extras/memory_report.py), and ``python -m extras.memory_sim``
-simulates the update with sage.py's own step instead, the formula's check (within 5% at the
-paper's shapes, tests/test_memory_plan.py). Beside the update
+that cannot fit, --full-finetune's float32 state included, with one line naming the flag to
+change. ``sage.py --plan-memory`` prints the same forecast for people (extras/memory_report.py),
+and ``python -m extras.memory_sim`` simulates the update with sage.py's own step instead, the
+formula's check (within 5% at the paper's shapes, tests/test_memory_plan.py). Beside the update
 the forecast counts the engine (``size_engine``: it sleeps during the update, so the run's peak
 is the larger of the update's and the trainer's resident bytes beside the awake engine), with
 --backend hf what ``generate`` holds instead (extras/hf_engine.py's ``sampling_bytes``, passed in
@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import psutil
 import torch
 
 from machinery import fast_logprobs, models
@@ -383,41 +384,41 @@ def largest_micro_batch(peaks: dict, config, with_reference: bool) -> int:
     return 0
 
 
-def fix_for(peaks: dict, config, with_reference: bool) -> str:
-    """The flag to change when a run does not fit (``peaks``: ``forecast``'s). Where the engine
-    is what does not fit, --backend hf is named too if its plan (no engine; generate's sampling
-    beside the trainer) fits the card."""
-    if peaks["engine_problem"]:
+def does_not_fit(peaks: dict, config, card_bytes: int, with_reference: bool) -> str:
+    """The verdict on a run that does not fit (``peaks``: ``forecast``'s), naming the flag to
+    change: first where the trainer's resident bytes alone do not fit (its weights and AdamW's
+    moments, --full-finetune's in float32); where the engine is what does not fit, --backend hf
+    too if its plan (no engine; generate's sampling beside the trainer) fits the card."""
+    resident, usable, full = peaks["update"]["resident"], peaks["usable"], config.full_finetune
+    probe_peak = peaks["awake"] + peaks["probe"]["peak"]
+    if resident > usable:
+        fix = f"the trainer's weights and AdamW states alone take {resident / 1e9:.1f} GB: "
+        fix += "drop --full-finetune (LoRA, the paper's setting)" if full else "use a larger GPU"
+    elif peaks["engine_problem"]:
         fix = peaks["engine_problem"]
-        if config.full_finetune:  # float32 weights, gradients and moments crowd the engine out
+        if full:  # float32 weights, gradients and moments crowd the engine out
             fix += ", or drop --full-finetune (LoRA)"
-        if peaks["hf_peak"] <= peaks["usable"]:
+        if peaks["hf_peak"] <= usable:
             kv_cache = peaks["sampling"]["kv_cache"] / 1e9
             fix += (
                 f", or pass --backend hf (slower sampling; its KV cache, {kv_cache:.1f} GB, fits)"
             )
-        return fix
-    largest = largest_micro_batch(peaks, config, with_reference)
-    if largest:
-        return f"pass --micro-batch-size {largest}"
-    if peaks["probe_counted"] and peaks["awake"] + peaks["probe"]["peak"] > peaks["usable"]:
-        return (
+    elif largest := largest_micro_batch(peaks, config, with_reference):
+        fix = f"pass --micro-batch-size {largest}"
+    elif peaks["probe_counted"] and probe_peak > usable:
+        fix = (
             "drop --eval-solution-key (the support probe's logits do not fit beside the awake "
             "engine), or lower --max-seq-len"
         )
-    if not config.gradient_checkpointing:
-        return "keep --gradient-checkpointing on, or lower --max-seq-len"
-    if config.full_finetune:
-        return "drop --full-finetune (LoRA, the paper's setting), or lower --max-seq-len"
-    return "lower --max-seq-len"
-
-
-def does_not_fit(peaks: dict, config, card_bytes: int, with_reference: bool) -> str:
-    """The verdict on a run that does not fit, naming the flag to change."""
-    card_gb = round(card_bytes / 1e9, 2)
+    elif not config.gradient_checkpointing:
+        fix = "keep --gradient-checkpointing on, or lower --max-seq-len"
+    elif full:
+        fix = "drop --full-finetune (LoRA, the paper's setting), or lower --max-seq-len"
+    else:
+        fix = "lower --max-seq-len"
     return (
-        f"does not fit a {card_gb:g} GB card (peak {peaks['run_peak'] / 1e9:.1f} GB, "
-        f"{peaks['usable'] / 1e9:.1f} GB usable): {fix_for(peaks, config, with_reference)}"
+        f"does not fit a {round(card_bytes / 1e9, 2):g} GB card (peak "
+        f"{peaks['run_peak'] / 1e9:.1f} GB, {usable / 1e9:.1f} GB usable): {fix}"
     )
 
 
@@ -443,3 +444,33 @@ def before_loading(config, with_reference: bool, hf_sampling) -> float:
     if peaks["fits"]:
         return round(peaks["trainer_peak"] / 1e9, 2)
     raise SystemExit(f"error: the run {does_not_fit(peaks, config, card_bytes, with_reference)}")
+
+
+def check_full_finetune_fits(model: str, with_reference: bool, with_engine: bool) -> None:
+    """Where no plan runs (the CPU, extras/trl_sage.py): --full-finetune is refused before anything
+    loads when its float32 weights, their gradients, AdamW's two moments, the frozen reference
+    (``with_reference``) and the engine's copy (bf16 on CUDA) alone exceed 90% of the device's
+    memory, in one line naming what would fit. A model that does not read is the loader's to say.
+    """
+    from transformers import AutoConfig
+
+    try:
+        parameters = models.parameter_count(AutoConfig.from_pretrained(model))
+    except (OSError, ValueError):
+        return
+    on_cuda = torch.cuda.is_available()
+    per_parameter = 4 * (4 + with_reference) + (2 if on_cuda else 4) * with_engine
+    if on_cuda:
+        available, where = torch.cuda.get_device_properties(0).total_memory, "the GPU has"
+    else:
+        available, where = psutil.virtual_memory().total, "this machine has"
+    if parameters * per_parameter > 0.9 * available:
+        largest = 0.9 * available / per_parameter / 1e9
+        raise SystemExit(
+            f"error: --full-finetune of a {parameters / 1e9:.1f}B-parameter model needs about "
+            f"{parameters * per_parameter / 1e9:.0f} GB for weights, gradients, AdamW states"
+            f"{', a frozen reference' if with_reference else ''}"
+            f"{' and the engine copy' if with_engine else ''}, but {where} "
+            f"{available / 1e9:.0f} GB: drop --full-finetune (LoRA, the paper's setting) or use a "
+            f"model of at most {largest:.1f}B parameters"
+        )

@@ -199,6 +199,31 @@ def test_the_engine_share_that_cannot_fit_names_its_flags(tiny_config_dir, monke
         memory_plan.before_loading(config, sage.needs_reference(config), hf_engine.sampling_bytes)
 
 
+def test_a_full_finetune_is_one_refusal_on_cuda_and_a_weights_check_where_no_plan_runs(
+    tmp_path, monkeypatch
+):
+    """On CUDA the plan refuses a 7B --full-finetune on an 80 GB card from its float32 weights,
+    AdamW's moments and reference alone, naming --full-finetune and no flag that cannot help. Where
+    no plan runs (the CPU, extras/trl_sage.py), ``check_full_finetune_fits`` counts the same
+    weights, their gradients and a bf16 engine's copy on CUDA: 168 GB."""
+    Qwen2Config(**SEVEN_B_SHAPE).save_pretrained(tmp_path)
+    config = sage.Config(model=str(tmp_path), full_finetune=True)
+    config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=80)
+    with pytest.raises(SystemExit) as refused:
+        memory_plan.before_loading(config, sage.needs_reference(config), hf_engine.sampling_bytes)
+    message = str(refused.value)
+    assert message.endswith("alone take 121.8 GB: drop --full-finetune (LoRA, the paper's setting)")
+    assert "--max-seq-len" not in message and "--backend hf" not in message
+    card = type("Card", (), {"total_memory": 80 * 10**9})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
+    with pytest.raises(SystemExit, match="7.6B-parameter model needs about 168 GB") as refused:
+        memory_plan.check_full_finetune_fits(str(tmp_path), with_reference=True, with_engine=True)
+    assert "drop --full-finetune" in str(refused.value) and "\n" not in str(refused.value)
+    # A model that does not read passes here: the loader says why, in its own line.
+    assert memory_plan.check_full_finetune_fits(str(tmp_path / "none"), True, True) is None
+
+
 @pytest.mark.slow
 def test_the_plan_of_the_hf_backend_counts_generates_kv_cache(tmp_path, capsys):
     """--backend hf samples the step's 64 rows at once with the trainer's model: at 8,192 tokens
