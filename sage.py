@@ -217,8 +217,11 @@ def start_run(config: Config) -> tuple[str, float | None]:
     run_dir = os.path.join(config.out, config.name or f"{model}-{config.algo}-{config.guide.name}")
     cli.check_run_dir(run_dir, config, with_reference=needs_reference(config))
     # On CUDA a run that cannot fit ends here; one that fits gets its forecast peak (no plan on CPU)
-    on_cuda = torch.cuda.is_available()
-    forecast_gb = memory_plan.before_loading(config, needs_reference(config)) if on_cuda else None
+    forecast_gb = None
+    if torch.cuda.is_available():
+        from extras.hf_engine import sampling_bytes  # --backend hf's forecast, for the plan
+
+        forecast_gb = memory_plan.before_loading(config, needs_reference(config), sampling_bytes)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     return run_dir, forecast_gb

@@ -126,7 +126,7 @@ def main(argv=None) -> dict:
         model_config = memory_plan.read_model_config(folder)
         for length in lengths:
             config = sage.Config(model=folder, max_seq_len=length)
-            dtype = memory_plan.trainer_dtype(config, "cuda")
+            dtype = memory_plan.trainer_dtype(config)
             updates = {}
             for size in micro_batches:
                 trial = dataclasses.replace(config, micro_batch_size=size)

@@ -288,7 +288,7 @@ def print_plan(config) -> None:
     """The plan of the run with the update simulated here (the formula's figure beside it),
     printed for people and as one JSON line."""
     model_config = memory_plan.read_model_config(config.model)
-    dtype = memory_plan.trainer_dtype(config, "cuda")
+    dtype = memory_plan.trainer_dtype(config)
     update = simulate_update(model_config, config, dtype)
     memory_report.print_plan(config, sage.needs_reference(config), update=update)
 

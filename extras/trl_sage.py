@@ -796,8 +796,8 @@ class MetricsFile(TrainerCallback):
 
 def check_args(args: TRLArgs, parser) -> None:
     """Every flag before anything loads (one line, exit 2): sage.py's ranges for the flags they
-    share, paths, the reward's import, and a --full-finetune that cannot fit, as sage.py does."""
-    from machinery import models
+    share, paths, the reward's import, and a --full-finetune whose weights alone cannot fit."""
+    from machinery import memory_plan
 
     for problem in (
         cli.out_of_range(args, rules=cli.ranges(sage.Config)),  # sage.py's, for the shared flags
@@ -817,7 +817,7 @@ def check_args(args: TRLArgs, parser) -> None:
     if args.full_finetune:
         anchored = args.kl != "none" and args.beta > 0
         try:
-            models.check_full_finetune_fits(args.model, anchored, with_engine=args.use_vllm)
+            memory_plan.check_full_finetune_fits(args.model, anchored, with_engine=args.use_vllm)
         except SystemExit as refusal:
             parser.error(str(refusal).removeprefix("error: "))
 

@@ -334,9 +334,11 @@ def torch_build_problem() -> str | None:
 
 def check_run_dir(run_dir: str, config, with_reference: bool) -> None:
     """Before anything loads, and before the memory plan (these are cheaper and say more): a
-    checkpoint is continued only with --resume, --resume needs one, and the weights of a
-    --full-finetune model (and its reference, ``with_reference``) must fit the device."""
-    from machinery import models, runs
+    checkpoint is continued only with --resume, --resume needs one, and on the CPU (no plan) the
+    weights of a --full-finetune model (and its reference, ``with_reference``) must fit the RAM."""
+    import torch
+
+    from machinery import memory_plan, runs
 
     checkpoint = runs.checkpoint_dir(run_dir)
     if os.path.exists(checkpoint) and not config.resume:
@@ -348,7 +350,7 @@ def check_run_dir(run_dir: str, config, with_reference: bool) -> None:
         raise SystemExit(
             f"error: --resume but no checkpoint in {checkpoint}; drop --resume to start fresh"
         )
-    if config.full_finetune:
-        models.check_full_finetune_fits(
+    if config.full_finetune and not torch.cuda.is_available():
+        memory_plan.check_full_finetune_fits(
             config.model, with_reference=with_reference, with_engine=config.backend == "vllm"
         )

@@ -1,29 +1,20 @@
-"""The GPU memory of a run on CUDA, forecast before anything loads: its refusal, and the engine's
-share of the GPU.
+"""The GPU memory of a run on CUDA, forecast before anything loads: its one refusal, and the
+engine's share of the GPU.
 
 Only the model's config.json is read. The trainer's update is counted in closed form
 (``estimate_update_peak``, a few dozen lines of arithmetic); ``before_loading`` refuses a run
-that cannot fit with one line naming the flag to change. ``sage.py --plan-memory`` prints the
-same forecast for people (extras/memory_report.py), and ``python -m extras.memory_sim``
-simulates the update with sage.py's own step instead, the formula's check (within 5% at the
-paper's shapes, tests/test_memory_plan.py).
-
-Beside the update:
-
-* the engine: its bf16 weights, vLLM's working memory and the KV cache of the step's sequences
-  at full length, all of them or as many as fit beside the trainer (then the step samples in
-  waves, ``engine_sequences``), claimed as its share of the card;
-* the run's peak: the engine sleeps during the update (level 2), so the peak is the larger of
-  the update's and the trainer's resident weights beside the awake engine;
-* with --backend hf, no engine: transformers ``generate`` samples the step's rows at once with
-  the trainer's own weights and holds their KV cache (``hf_sampling``) beside its resident bytes;
-* with --eval-solution-key, the support probe of each evaluation: a teacher-forced pass with no
-  gradient beside the awake engine, its [B, C, V] logits and their float32 copies
-  (``probe_activations``).
+that cannot fit, --full-finetune's float32 state included, with one line naming the flag to
+change. ``sage.py --plan-memory`` prints the same forecast for people (extras/memory_report.py),
+and ``python -m extras.memory_sim`` simulates the update with sage.py's own step instead, the
+formula's check (within 5% at the paper's shapes, tests/test_memory_plan.py). Beside the update
+the forecast counts the engine (``size_engine``: it sleeps during the update, so the run's peak
+is the larger of the update's and the trainer's resident bytes beside the awake engine), with
+--backend hf what ``generate`` holds instead (extras/hf_engine.py's ``sampling_bytes``, passed in
+by the caller), and with --eval-solution-key the support probe (``probe_activations``).
 
 Error: allocator rounding, fragmentation and CUDA workspaces (cuBLAS, the CUDA context) are not
-counted; 5% of the card is kept free for them (``GPU_HEADROOM``). A card of N GB
-is N x 10^9 bytes (an "80 GB" H100 holds 85 x 10^9: the verdict errs on the safe side).
+counted; 5% of the card is kept free for them (``GPU_HEADROOM``). A card of N GB is N x 10^9
+bytes (an "80 GB" H100 holds 85 x 10^9: the verdict errs on the safe side).
 """
 
 from __future__ import annotations
@@ -31,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import psutil
 import torch
 
 from machinery import fast_logprobs, models
@@ -72,9 +64,7 @@ def read_model_config(model: str):
         raise SystemExit(models.cannot_load(name, error)) from None
 
 
-# --------------------------------------------------------------------------------------------
-# The update's peak in closed form: what the run's refusal reads (memory_sim.py checks it)
-# --------------------------------------------------------------------------------------------
+# ---- The update's peak in closed form: what the refusal reads, memory_sim.py checks --------------
 
 
 def estimate_update_peak(model_config, config, dtype: torch.dtype, with_reference: bool) -> dict:
@@ -164,13 +154,8 @@ def estimate_update_peak(model_config, config, dtype: torch.dtype, with_referenc
     return {"weights": weights, "resident": resident, "peak": peak, "peak_op": peak_op}
 
 
-# --------------------------------------------------------------------------------------------
-# The engine's share of the GPU: sized here for the trainer's engine (rollout.py) and the plan
-# --------------------------------------------------------------------------------------------
+# ---- The engine's share of the GPU, for the trainer's engine (rollout.py) and the plan -----------
 
-
-# What the trainer keeps on the GPU beside an awake engine: its own bf16 weights (the LoRA policy
-# and its adapters); the update's activations come while the engine sleeps.
 GPU_HEADROOM = 0.05  # CUDA context, fragmentation
 ENGINE_OVERHEAD_BYTES = 2 * 2**30  # vLLM's activations, sampler and CUDA graphs, beside its cache
 SHARE_MARGIN = 0.01  # the share claimed above what the engine's bytes need
@@ -180,8 +165,7 @@ def kv_bytes_per_token(config) -> int:
     """The KV cache of one token in bf16: K and V of every layer's key-value heads.
 
     >>> from transformers import Qwen2Config  # Qwen2.5-Math-7B's shape: 56 KiB a token
-    >>> kv_bytes_per_token(Qwen2Config(hidden_size=3584, num_hidden_layers=28,
-    ...     num_attention_heads=28, num_key_value_heads=4)) // 1024
+    >>> kv_bytes_per_token(Qwen2Config(**QWEN25_MATH_7B)) // 1024
     56
     """
     text = config.get_text_config()
@@ -190,24 +174,7 @@ def kv_bytes_per_token(config) -> int:
     return 2 * text.num_hidden_layers * kv_heads * head_size * 2
 
 
-def share_ceiling(weights: int, total_bytes: int, trainer_bytes: int | None) -> float:
-    """The most of a GPU of ``total_bytes`` the engine may claim: what the trainer's resident
-    ``trainer_bytes`` (None: a bf16 copy of the ``weights``, as the LoRA policy holds) and the
-    headroom leave."""
-    trainer = weights if trainer_bytes is None else trainer_bytes
-    return 1.0 - GPU_HEADROOM - trainer / total_bytes
-
-
-def check_requested_share(requested, ceiling: float) -> None:
-    """A --gpu-memory-utilization above what the trainer leaves free is a one-line error."""
-    if requested is not None and requested > ceiling:
-        raise CheckError(
-            f"--gpu-memory-utilization {requested} is more than the GPU has free beside the "
-            f"trainer: pass at most {math.floor(ceiling * 100) / 100:.2f}, or leave it unset"
-        )
-
-
-def engine_sequences(
+def size_engine(
     config,
     *,
     max_model_len: int,
@@ -215,118 +182,55 @@ def engine_sequences(
     total_bytes: int,
     requested: float | None = None,
     trainer_bytes: int | None = None,
-) -> int:
-    """How many of one step's ``step_sequences`` the engine holds at once on a GPU of
-    ``total_bytes``, each with ``max_model_len`` tokens of KV cache: all of them when they fit
-    beside the trainer, else as many as fit. vLLM then samples the step in waves: it queues the
-    rest and starts one as soon as a running sequence ends, so no sequence is preempted and
-    recomputed. ``requested`` (--gpu-memory-utilization) or None: the engine's share, else the
-    most it may take beside the trainer's resident ``trainer_bytes`` (``share_ceiling``).
-    Raises a one-line CheckError when not one sequence fits, naming the fix.
+) -> tuple[int, float]:
+    """vLLM's max_num_seqs and gpu_memory_utilization on a GPU of ``total_bytes``: how many of a
+    step's ``step_sequences`` of ``max_model_len`` tokens fit in the KV cache beside the engine's
+    bf16 weights, its working memory, the trainer's resident ``trainer_bytes`` (None: a bf16
+    copy of the weights, as the LoRA policy holds) and the headroom, at most all of them; and the
+    share they need (at least 0.3), or ``requested`` (--gpu-memory-utilization). With fewer, vLLM
+    samples the step in waves: it queues the rest and starts one as soon as a running sequence
+    ends, so none is preempted and recomputed. A requested share above what the trainer leaves
+    free or too small for one sequence, or a GPU where not one fits, is a one-line CheckError.
 
     >>> from transformers import Qwen2Config  # Qwen2.5-Math-7B's shape
-    >>> seven_b = Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-    ...     num_key_value_heads=4, intermediate_size=18944, vocab_size=152064)
-    >>> engine_sequences(seven_b, max_model_len=2048, step_sequences=64, total_bytes=80 * 10**9)
-    64
-    >>> engine_sequences(seven_b, max_model_len=8192, step_sequences=64, total_bytes=48 * 10**9)
-    26
+    >>> seven_b = Qwen2Config(**QWEN25_MATH_7B)
+    >>> def sized(length, card_gb):  # the step's 64 sequences of ``length`` tokens
+    ...     at_once, share = size_engine(seven_b, max_model_len=length, step_sequences=64,
+    ...         total_bytes=card_gb * 10**9)
+    ...     return at_once, round(share, 2)
+    >>> sized(2048, 80), sized(8192, 80), sized(8192, 48)  # the paper's, R1-distill's, in waves
+    ((64, 0.32), (64, 0.6), (26, 0.63))
     """
-    weights = 2 * models.parameter_count(
-        config
-    )  # the engine's bf16 copy; the trainer holds another
+    # The engine's bf16 copy of the weights (the trainer holds another) and a sequence's cache.
+    weights = 2 * models.parameter_count(config)
     per_sequence = max_model_len * kv_bytes_per_token(config)
-    ceiling = share_ceiling(weights, total_bytes, trainer_bytes)
-    check_requested_share(requested, ceiling)
+    trainer = weights if trainer_bytes is None else trainer_bytes
+    ceiling = 1.0 - GPU_HEADROOM - trainer / total_bytes  # the most the trainer leaves free
+    if requested is not None and requested > ceiling:
+        raise CheckError(
+            f"--gpu-memory-utilization {requested} is more than the GPU has free beside the "
+            f"trainer: pass at most {math.floor(ceiling * 100) / 100:.2f}, or leave it unset"
+        )
     share = (ceiling if requested is None else requested) - SHARE_MARGIN
     fit = int((share * total_bytes - weights - ENGINE_OVERHEAD_BYTES) // per_sequence)
-    if fit >= 1:
-        return min(step_sequences, fit)
-    share_for_one = (weights + ENGINE_OVERHEAD_BYTES + per_sequence) / total_bytes + SHARE_MARGIN
-    share_for_one = math.ceil(share_for_one * 100) / 100
-    if requested is not None and share_for_one <= ceiling:
+    if fit < 1:
+        one = (weights + ENGINE_OVERHEAD_BYTES + per_sequence) / total_bytes + SHARE_MARGIN
+        one = math.ceil(one * 100) / 100
+        if requested is not None and one <= ceiling:
+            raise CheckError(
+                f"--gpu-memory-utilization {requested} leaves the engine no room for one sequence "
+                f"of {max_model_len} tokens beside its weights: pass {one:.2f} or more"
+            )
         raise CheckError(
-            f"--gpu-memory-utilization {requested} leaves the engine no room for one sequence of "
-            f"{max_model_len} tokens beside its weights: pass {share_for_one:.2f} or more"
+            f"the engine's bf16 weights ({weights / 1e9:.1f} GB) and the KV cache of one sequence "
+            f"of {max_model_len} tokens do not fit beside the trainer on this "
+            f"{total_bytes / 1e9:.0f} GB GPU: lower --max-seq-len or use a larger GPU"
         )
-    raise CheckError(
-        f"the engine's bf16 weights ({weights / 1e9:.1f} GB) and the KV cache of one sequence of "
-        f"{max_model_len} tokens do not fit beside the trainer on this "
-        f"{total_bytes / 1e9:.0f} GB GPU: lower --max-seq-len or use a larger GPU"
-    )
-
-
-def cuda_memory_share(
-    config,
-    *,
-    max_model_len: int,
-    max_num_seqs: int,
-    requested: float | None,
-    total_bytes: int,
-    trainer_bytes: int | None = None,
-) -> float:
-    """The engine's share of a GPU of ``total_bytes`` that holds ``max_num_seqs`` sequences of
-    ``max_model_len`` tokens in its KV cache at once (``engine_sequences`` says how many): its
-    bytes' share plus ``SHARE_MARGIN``. ``requested`` (--gpu-memory-utilization) or None: the
-    default 0.3, raised as far as the sequences need. Raises a one-line CheckError when the
-    requested share is too small or too large, or when they do not fit beside the trainer's
-    resident ``trainer_bytes`` (``share_ceiling``).
-
-    >>> from transformers import Qwen2Config  # Qwen2.5-Math-7B's shape, an 80 GB GPU
-    >>> seven_b = Qwen2Config(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-    ...     num_key_value_heads=4, intermediate_size=18944, vocab_size=152064)
-    >>> share = cuda_memory_share(seven_b, max_model_len=2048, max_num_seqs=64, requested=None,
-    ...     total_bytes=80 * 10**9)
-    >>> round(share, 2)  # the paper's step
-    0.32
-    >>> share = cuda_memory_share(seven_b, max_model_len=8192, max_num_seqs=64, requested=None,
-    ...     total_bytes=80 * 10**9)
-    >>> round(share, 2)  # R1-distill's
-    0.6
-    """
-    kv_bytes = max_num_seqs * max_model_len * kv_bytes_per_token(config)
-    weights = 2 * models.parameter_count(
-        config
-    )  # the engine's bf16 copy; the trainer holds another
-    claim = (weights + ENGINE_OVERHEAD_BYTES + kv_bytes) / total_bytes + SHARE_MARGIN
-    ceiling = share_ceiling(weights, total_bytes, trainer_bytes)
-    check_requested_share(requested, ceiling)
-    sequences = f"{max_num_seqs} sequences of {max_model_len} tokens"
-    if requested is not None and requested < claim:
-        raise CheckError(
-            f"--gpu-memory-utilization {requested} is too small for {sequences} "
-            f"({kv_bytes / 2**30:.1f} GiB of KV cache): "
-            f"pass {math.ceil(claim * 100) / 100:.2f}, or lower --max-seq-len"
-        )
-    if claim > ceiling:
-        raise CheckError(
-            f"{sequences} need a {kv_bytes / 2**30:.1f} GiB KV cache, more than the GPU holds "
-            f"beside the trainer (the engine would need {claim:.2f} of it, at most "
-            f"{ceiling:.2f} is free): lower --rollouts, --prompts-per-step or --max-seq-len"
-        )
-    return requested if requested is not None else min(max(0.3, claim), ceiling)
-
-
-def size_engine(
-    config,
-    *,
-    max_model_len: int,
-    step_sequences: int,
-    total_bytes: int,
-    requested: float | None,
-    trainer_bytes: int | None,
-) -> tuple[int, float]:
-    """(sequences the engine holds at once, its share of the GPU): as many of the step's as fit
-    beside the trainer (``engine_sequences``) and the share they need (``cuda_memory_share``).
-    Both the engine and the memory plan size it here."""
-    sizing = dict(
-        max_model_len=max_model_len,
-        total_bytes=total_bytes,
-        requested=requested,
-        trainer_bytes=trainer_bytes,
-    )
-    at_once = engine_sequences(config, step_sequences=step_sequences, **sizing)
-    return at_once, cuda_memory_share(config, max_num_seqs=at_once, **sizing)
+    at_once = min(step_sequences, fit)
+    if requested is not None:
+        return at_once, requested
+    need = (weights + ENGINE_OVERHEAD_BYTES + at_once * per_sequence) / total_bytes + SHARE_MARGIN
+    return at_once, min(max(0.3, need), ceiling)
 
 
 def gpu_share_and_limits(
@@ -340,12 +244,11 @@ def gpu_share_and_limits(
 ) -> tuple[float, dict]:
     """The share of the GPU the engine gets and its batch limits. The trainer's engine (its
     step's limits in ``llm_kwargs``) holds as many of the step's sequences as fit beside the
-    trainer's resident ``trainer_bytes`` (None: what is allocated now); the rest wait for a free
-    slot (``size_engine``). A standalone engine (evaluate.py) gets what was requested."""
+    trainer's resident ``trainer_bytes`` (None: what is allocated now), and says so in one line
+    when that is fewer than the step's (``size_engine``). A standalone engine (evaluate.py) gets
+    what was requested."""
     if "max_num_seqs" not in llm_kwargs:  # a standalone engine batches as it can
         return requested or default, llm_kwargs
-    if trainer_bytes is None:
-        trainer_bytes = torch.cuda.memory_allocated() or None
     step_sequences = llm_kwargs["max_num_seqs"]
     at_once, share = size_engine(
         config,
@@ -353,7 +256,7 @@ def gpu_share_and_limits(
         step_sequences=step_sequences,
         total_bytes=torch.cuda.get_device_properties(0).total_memory,
         requested=requested,
-        trainer_bytes=trainer_bytes,
+        trainer_bytes=trainer_bytes or torch.cuda.memory_allocated() or None,
     )
     if at_once < step_sequences:
         print(
@@ -364,74 +267,13 @@ def gpu_share_and_limits(
     return share, {**llm_kwargs, "max_num_seqs": at_once}
 
 
-def trainer_dtype(config, device_type: str) -> torch.dtype:
-    """The trainer's dtype on that device (``models.device_and_dtype``): bf16 on CUDA, float32
-    when every weight is trained there, float32 on the CPU."""
-    half = device_type == "cuda" and not config.full_finetune
-    return torch.bfloat16 if half else torch.float32
+# ---- The run's forecast, its refusal and the flag that fixes it ----------------------------------
 
 
-def engine_share(
-    model_config, config, card_bytes: int, trainer_bytes: int | None = None
-) -> tuple[dict, str]:
-    """The engine's bytes (weights, working memory, the KV cache of the sequences it holds at
-    once), how many of the step's sequences that is and in how many waves a step samples, the
-    share of the card it claims beside the trainer's resident ``trainer_bytes`` (sized as the
-    engine sizes itself: ``size_engine``), and the reason it cannot have one (""
-    when it can)."""
-    if config.backend != "vllm":  # the HF backend samples from the trainer's own model
-        engine = {"weights": 0, "working": 0, "kv_cache": 0, "share": 0.0, "sequences": 0}
-        return {**engine, "waves": None}, ""
-    step_sequences = config.prompts_per_step * config.rollouts  # vLLM's max_num_seqs
-    try:
-        sequences, share = size_engine(
-            model_config,
-            max_model_len=config.max_seq_len,
-            step_sequences=step_sequences,
-            total_bytes=card_bytes,
-            requested=config.gpu_memory_utilization or None,
-            trainer_bytes=trainer_bytes,
-        )
-        reason = ""
-    except CheckError as error:
-        sequences, share, reason = 0, None, str(error)
-    per_token = kv_bytes_per_token(model_config)
-    engine = {
-        "weights": 2 * models.parameter_count(model_config),
-        "working": ENGINE_OVERHEAD_BYTES,
-        "kv_cache": sequences * config.max_seq_len * per_token,
-        "share": share,
-        "sequences": sequences,
-        "waves": math.ceil(step_sequences / sequences) if sequences else None,
-    }
-    return engine, reason
-
-
-def hf_sampling(model_config, config, dtype: torch.dtype) -> dict:
-    """What transformers ``generate`` holds while --backend hf samples a step (extras/hf_engine.py:
-    one call, every prompt's G copies at once), beside the trainer's weights: ``kv_cache``, the
-    keys and values of every row at --max-seq-len tokens in the trainer's dtype, and ``peak``,
-    the larger of the prefill's and the last token's. The prefill holds the prompts' cache and,
-    in each layer's MLP, four [rows x prompt, intermediate] tensors (the activated gate, the up
-    projection and its LoRA term, their product); the last token holds the whole cache, one
-    layer's K once more (its cache grows by concatenation) and five float32 [rows, vocab] copies
-    of the logits (the cast, the processors, the recorded log-softmax, the sampling softmax)."""
-    text = model_config.get_text_config()
-    rows = config.prompts_per_step * config.rollouts
-    size = dtype.itemsize
-    per_token = kv_bytes_per_token(model_config) // 2 * size  # (counted for bf16)
-    kv_cache = rows * config.max_seq_len * per_token
-    prefill = rows * config.max_prompt_len * (per_token + 4 * text.intermediate_size * size)
-    last_token = (
-        kv_cache + kv_cache // (2 * text.num_hidden_layers) + 5 * rows * text.vocab_size * 4
-    )
-    return {"kv_cache": kv_cache, "peak": max(prefill, last_token), "rows": rows}
-
-
-def probe_runs(config) -> bool:
-    """Whether the run's evaluations run the support probe: --eval-solution-key with
-    --eval-every."""
-    return bool(config.eval.eval_solution_key) and config.eval.eval_every > 0
+def trainer_dtype(config) -> torch.dtype:
+    """The trainer's dtype on CUDA (``models.device_and_dtype``): float32 when every weight is
+    trained, else bf16."""
+    return torch.float32 if config.full_finetune else torch.bfloat16
 
 
 def probe_activations(model_config, config, dtype: torch.dtype) -> dict:
@@ -440,13 +282,14 @@ def probe_activations(model_config, config, dtype: torch.dtype) -> dict:
     L tokens, y* at most the completion budget C = L - --max-prompt-len long.
 
     ``layer``: the forward pass holds one layer's activations at a time, each token's hidden
-    state in and out and four [intermediate] tensors of its MLP (as ``hf_sampling`` counts
-    them), in the trainer's dtype. ``logits``: after it, ``fast_logprobs.completion_logits``'s
-    [B, C, V] logits in the trainer's dtype and, inside ``loss.token_logps_and_entropies`` with
-    min-p (its first call; the second, without min-p, holds less), six float32 [B, C, V]
-    tensors at once (z masked, the full log-softmax, the log-softmax, its exp, their product and
-    the ``where`` over it) and two boolean ones (the kept mask, ``probs > 0``); without min-p,
-    five float32 and one boolean. ``peak``: the larger of the two."""
+    state in and out and four [intermediate] tensors of its MLP (as extras/hf_engine.py's
+    ``sampling_bytes`` counts them), in the trainer's dtype. ``logits``: after it,
+    ``fast_logprobs.completion_logits``'s [B, C, V] logits in the trainer's dtype and, inside
+    ``loss.token_logps_and_entropies`` with min-p (its first call; the second, without min-p,
+    holds less), six float32 [B, C, V] tensors at once (z masked, the full log-softmax, the
+    log-softmax, its exp, their product and the ``where`` over it) and two boolean ones (the kept
+    mask, ``probs > 0``); without min-p, five float32 and one boolean. ``peak``: the larger of
+    the two."""
     text = model_config.get_text_config()
     rows, length = config.micro_batch_size, config.max_seq_len
     completion = config.max_seq_len - config.max_prompt_len
@@ -458,20 +301,40 @@ def probe_activations(model_config, config, dtype: torch.dtype) -> dict:
     return {"layer": layer, "logits": logits, "peak": max(layer, logits)}
 
 
-def forecast(config, card_bytes: int, with_reference: bool, update: dict | None = None) -> dict:
+def forecast(
+    config, card_bytes: int, with_reference: bool, hf_sampling, update: dict | None = None
+) -> dict:
     """The run's bytes on a card of ``card_bytes``: the update's (``update``, extras/memory_sim.py's
-    simulation of this config, else the formula's), the engine's beside it (``engine_share``,
-    with ``engine_problem``, the reason it cannot have one, or ""), generate's with --backend hf,
-    the support probe's with --eval-solution-key, the run's peak and whether it ``fits``, and
-    ``trainer_peak``: the trainer's own share, what a run's logged peaks measure
+    simulation of this config, else the formula's), the engine's beside it (``size_engine``, with
+    ``engine_problem``, the reason it cannot have a share, or ""), generate's with --backend hf
+    (``hf_sampling``: extras/hf_engine.py's ``sampling_bytes``), the support probe's with
+    --eval-solution-key and --eval-every (``probe_counted``), the run's peak and whether it
+    ``fits``, and ``trainer_peak``: the trainer's own share, what a run's logged peaks measure
     (runs.PhaseTimer subtracts what the engine keeps counted)."""
     model_config = read_model_config(config.model)
-    dtype = trainer_dtype(config, "cuda")
+    dtype = trainer_dtype(config)
     formula = estimate_update_peak(model_config, config, dtype, with_reference)
     update = update or formula
     resident = update["resident"]
-    engine, engine_problem = engine_share(model_config, config, card_bytes, resident)
-    usable = int((1 - GPU_HEADROOM) * card_bytes)
+    engine = dict(weights=0, working=0, sequences=0, share=0.0, waves=None)
+    engine_problem = ""
+    if config.backend == "vllm":  # the HF backend samples from the trainer's own model
+        step_sequences = config.prompts_per_step * config.rollouts  # vLLM's max_num_seqs
+        weights = 2 * models.parameter_count(model_config)
+        engine.update(weights=weights, working=ENGINE_OVERHEAD_BYTES, share=None)
+        try:
+            engine["sequences"], engine["share"] = size_engine(
+                model_config,
+                max_model_len=config.max_seq_len,
+                step_sequences=step_sequences,
+                total_bytes=card_bytes,
+                requested=config.gpu_memory_utilization or None,
+                trainer_bytes=resident,
+            )
+            engine["waves"] = math.ceil(step_sequences / engine["sequences"])
+        except CheckError as error:
+            engine_problem = str(error)
+    engine["kv_cache"] = engine["sequences"] * config.max_seq_len * kv_bytes_per_token(model_config)
     sampling = hf_sampling(model_config, config, dtype)
     hf_peak = max(update["peak"], resident + sampling["peak"])  # --backend hf's
     awake = resident + (engine["share"] or 0.0) * card_bytes
@@ -480,9 +343,11 @@ def forecast(config, card_bytes: int, with_reference: bool, update: dict | None 
     trainer_peak = max(trainer_peak, update["peak"])
     # The support probe runs beside the awake engine (with --backend hf, beside no engine).
     probe = probe_activations(model_config, config, dtype)
-    if probe_runs(config):
+    probe_counted = bool(config.eval.eval_solution_key) and config.eval.eval_every > 0
+    if probe_counted:
         run_peak = max(run_peak, awake + probe["peak"])
         trainer_peak = max(trainer_peak, resident + probe["peak"])
+    usable = int((1 - GPU_HEADROOM) * card_bytes)
     return dict(
         model_config=model_config,
         dtype=dtype,
@@ -493,6 +358,7 @@ def forecast(config, card_bytes: int, with_reference: bool, update: dict | None 
         sampling=sampling,
         hf_peak=hf_peak,
         probe=probe,
+        probe_counted=probe_counted,
         awake=awake,
         run_peak=run_peak,
         trainer_peak=trainer_peak,
@@ -503,14 +369,14 @@ def forecast(config, card_bytes: int, with_reference: bool, update: dict | None 
 
 def largest_micro_batch(peaks: dict, config, with_reference: bool) -> int:
     """The largest power of two (up to the step's sequences) at which the formula's update peak
-    and, with --eval-solution-key, the support probe beside the awake engine fit the card
-    (``peaks``: ``forecast``'s); 0 if none does."""
+    and, with the support probe, the probe beside the awake engine fit the card (``peaks``:
+    ``forecast``'s); 0 if none does."""
     size = 2 ** ((config.prompts_per_step * config.rollouts).bit_length() - 1)
     model_config, dtype = peaks["model_config"], peaks["dtype"]
     while size:
         trial = dataclasses.replace(config, micro_batch_size=size)
         need = estimate_update_peak(model_config, trial, dtype, with_reference)["peak"]
-        if probe_runs(config):
+        if peaks["probe_counted"]:
             need = max(need, peaks["awake"] + probe_activations(model_config, trial, dtype)["peak"])
         if need <= peaks["usable"]:
             return size
@@ -518,41 +384,41 @@ def largest_micro_batch(peaks: dict, config, with_reference: bool) -> int:
     return 0
 
 
-def fix_for(peaks: dict, config, with_reference: bool) -> str:
-    """The flag to change when a run does not fit (``peaks``: ``forecast``'s). Where the engine
-    is what does not fit, --backend hf is named too if its plan (no engine; generate's sampling
-    beside the trainer) fits the card."""
-    if peaks["engine_problem"]:
+def does_not_fit(peaks: dict, config, card_bytes: int, with_reference: bool) -> str:
+    """The verdict on a run that does not fit (``peaks``: ``forecast``'s), naming the flag to
+    change: first where the trainer's resident bytes alone do not fit (its weights and AdamW's
+    moments, --full-finetune's in float32); where the engine is what does not fit, --backend hf
+    too if its plan (no engine; generate's sampling beside the trainer) fits the card."""
+    resident, usable, full = peaks["update"]["resident"], peaks["usable"], config.full_finetune
+    probe_peak = peaks["awake"] + peaks["probe"]["peak"]
+    if resident > usable:
+        fix = f"the trainer's weights and AdamW states alone take {resident / 1e9:.1f} GB: "
+        fix += "drop --full-finetune (LoRA, the paper's setting)" if full else "use a larger GPU"
+    elif peaks["engine_problem"]:
         fix = peaks["engine_problem"]
-        if config.full_finetune:  # float32 weights, gradients and moments crowd the engine out
+        if full:  # float32 weights, gradients and moments crowd the engine out
             fix += ", or drop --full-finetune (LoRA)"
-        if peaks["hf_peak"] <= peaks["usable"]:
+        if peaks["hf_peak"] <= usable:
             kv_cache = peaks["sampling"]["kv_cache"] / 1e9
             fix += (
                 f", or pass --backend hf (slower sampling; its KV cache, {kv_cache:.1f} GB, fits)"
             )
-        return fix
-    largest = largest_micro_batch(peaks, config, with_reference)
-    if largest:
-        return f"pass --micro-batch-size {largest}"
-    if probe_runs(config) and peaks["awake"] + peaks["probe"]["peak"] > peaks["usable"]:
-        return (
+    elif largest := largest_micro_batch(peaks, config, with_reference):
+        fix = f"pass --micro-batch-size {largest}"
+    elif peaks["probe_counted"] and probe_peak > usable:
+        fix = (
             "drop --eval-solution-key (the support probe's logits do not fit beside the awake "
             "engine), or lower --max-seq-len"
         )
-    if not config.gradient_checkpointing:
-        return "keep --gradient-checkpointing on, or lower --max-seq-len"
-    if config.full_finetune:
-        return "drop --full-finetune (LoRA, the paper's setting), or lower --max-seq-len"
-    return "lower --max-seq-len"
-
-
-def does_not_fit(peaks: dict, config, card_bytes: int, with_reference: bool) -> str:
-    """The verdict on a run that does not fit, naming the flag to change."""
-    card_gb = round(card_bytes / 1e9, 2)
+    elif not config.gradient_checkpointing:
+        fix = "keep --gradient-checkpointing on, or lower --max-seq-len"
+    elif full:
+        fix = "drop --full-finetune (LoRA, the paper's setting), or lower --max-seq-len"
+    else:
+        fix = "lower --max-seq-len"
     return (
-        f"does not fit a {card_gb:g} GB card (peak {peaks['run_peak'] / 1e9:.1f} GB, "
-        f"{peaks['usable'] / 1e9:.1f} GB usable): {fix_for(peaks, config, with_reference)}"
+        f"does not fit a {round(card_bytes / 1e9, 2):g} GB card (peak "
+        f"{peaks['run_peak'] / 1e9:.1f} GB, {usable / 1e9:.1f} GB usable): {fix}"
     )
 
 
@@ -567,14 +433,44 @@ def card_of(config) -> int:
     return 80 * 10**9
 
 
-def before_loading(config, with_reference: bool) -> float:
+def before_loading(config, with_reference: bool, hf_sampling) -> float:
     """On CUDA, before the model loads: a run that cannot fit is refused with one line naming the
     flag to change; a run that fits says nothing and gets the trainer's forecast peak in GB (the
     run's logger compares it with the peaks measured, the engine's counted bytes left out). The
     update's peak is the formula's (``estimate_update_peak``): no simulation runs on the run's
-    path."""
+    path. ``hf_sampling``: --backend hf's forecast (extras/hf_engine.py's ``sampling_bytes``)."""
     card_bytes = card_of(config)
-    peaks = forecast(config, card_bytes, with_reference)
+    peaks = forecast(config, card_bytes, with_reference, hf_sampling)
     if peaks["fits"]:
         return round(peaks["trainer_peak"] / 1e9, 2)
     raise SystemExit(f"error: the run {does_not_fit(peaks, config, card_bytes, with_reference)}")
+
+
+def check_full_finetune_fits(model: str, with_reference: bool, with_engine: bool) -> None:
+    """Where no plan runs (the CPU, extras/trl_sage.py): --full-finetune is refused before anything
+    loads when its float32 weights, their gradients, AdamW's two moments, the frozen reference
+    (``with_reference``) and the engine's copy (bf16 on CUDA) alone exceed 90% of the device's
+    memory, in one line naming what would fit. A model that does not read is the loader's to say.
+    """
+    from transformers import AutoConfig
+
+    try:
+        parameters = models.parameter_count(AutoConfig.from_pretrained(model))
+    except (OSError, ValueError):
+        return
+    on_cuda = torch.cuda.is_available()
+    per_parameter = 4 * (4 + with_reference) + (2 if on_cuda else 4) * with_engine
+    if on_cuda:
+        available, where = torch.cuda.get_device_properties(0).total_memory, "the GPU has"
+    else:
+        available, where = psutil.virtual_memory().total, "this machine has"
+    if parameters * per_parameter > 0.9 * available:
+        largest = 0.9 * available / per_parameter / 1e9
+        raise SystemExit(
+            f"error: --full-finetune of a {parameters / 1e9:.1f}B-parameter model needs about "
+            f"{parameters * per_parameter / 1e9:.0f} GB for weights, gradients, AdamW states"
+            f"{', a frozen reference' if with_reference else ''}"
+            f"{' and the engine copy' if with_engine else ''}, but {where} "
+            f"{available / 1e9:.0f} GB: drop --full-finetune (LoRA, the paper's setting) or use a "
+            f"model of at most {largest:.1f}B parameters"
+        )

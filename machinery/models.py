@@ -15,9 +15,8 @@ fits on one GPU.
 * On the CPU, freed activations stay with the process for the next micro-batch
   (``keep_freed_memory``) instead of going back to the kernel and faulting in again,
   zero-filled, at their next use.
-* AdamW with linear warmup and linear decay (App. E, Table 8). Fine-tuning every weight is
-  refused up front when it cannot fit the device. (The policy and its reference pi_ref are made
-  in sage.py.)
+* AdamW with linear warmup and linear decay (App. E, Table 8). (The policy and its reference
+  pi_ref are made in sage.py; what fits the device is machinery/memory_plan.py's to say.)
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import ctypes
 import os
 import sys
 
-import psutil
 import torch
 
 from machinery import UsageError
@@ -204,59 +202,3 @@ def parameter_count(config) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())
-
-
-def full_finetune_bytes(
-    num_parameters: int,
-    dtype_bytes: int,
-    with_reference: bool,
-    with_engine: bool,
-    engine_bytes: int = 2,
-) -> int:
-    """Memory that full fine-tuning holds for its weights alone: the weights, their gradients,
-    AdamW's two moments (PyTorch keeps them in the weights' dtype), the frozen reference copy (when
-    there is a KL anchor), all in ``dtype_bytes``, and the colocated engine's copy in
-    ``engine_bytes`` (bf16). Activations come on top. Qwen2.5-7B on CUDA:
-
-    >>> round(full_finetune_bytes(7_615_616_512, 4, with_reference=True, with_engine=True) / 1e9)
-    168
-    """
-    return num_parameters * (
-        dtype_bytes * (4 + int(with_reference)) + engine_bytes * int(with_engine)
-    )
-
-
-def check_full_finetune_fits(model_path: str, with_reference: bool, with_engine: bool) -> None:
-    """Refuse --full-finetune, before anything is loaded, when the weights alone would not fit
-    the device (a 7B model needs ~168 GB with float32 weights): a one-line error naming what
-    would fit."""
-    from transformers import AutoConfig
-
-    try:
-        num_parameters = parameter_count(AutoConfig.from_pretrained(model_path))
-    except (OSError, ValueError):
-        return  # load_base_model reports an unreadable model
-    device, dtype = device_and_dtype(full_finetune=True)
-    dtype_bytes = dtype.itemsize
-    if device.type == "cuda":
-        available, where = torch.cuda.get_device_properties(0).total_memory, "the GPU has"
-    else:
-        available, where = psutil.virtual_memory().total, "this machine has"
-    engine_bytes = 2 if device.type == "cuda" else dtype_bytes  # the engine runs in bf16 on CUDA
-    needed = full_finetune_bytes(
-        num_parameters, dtype_bytes, with_reference, with_engine, engine_bytes
-    )
-    if needed > 0.9 * available:
-        largest = (
-            0.9
-            * available
-            / full_finetune_bytes(1, dtype_bytes, with_reference, with_engine, engine_bytes)
-        )
-        raise SystemExit(
-            f"error: --full-finetune of a {num_parameters / 1e9:.1f}B-parameter model needs about "
-            f"{needed / 1e9:.0f} GB for weights, gradients, AdamW states"
-            f"{', a frozen reference' if with_reference else ''}"
-            f"{' and the engine copy' if with_engine else ''}, but "
-            f"{where} {available / 1e9:.0f} GB: drop --full-finetune (LoRA, the paper's setting) "
-            f"or use a model of at most {largest / 1e9:.1f}B parameters"
-        )

@@ -6,6 +6,7 @@ torch beside an NVIDIA GPU: tests/test_flags.py)."""
 import copy
 import dataclasses
 import json
+import math
 import os
 import sys
 import types
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 import evaluate
 import sage
-from extras import memory_report, memory_sim
+from extras import hf_engine, memory_report, memory_sim
 from machinery import memory_plan, models, vllm_backend
 
 TINY_SHAPE = dict(
@@ -81,7 +82,7 @@ def test_the_formula_is_the_simulated_7b_update_within_5_percent(
         full_finetune=full_finetune,
         gradient_checkpointing=checkpointing,
     )
-    dtype = memory_plan.trainer_dtype(config, "cuda")
+    dtype = memory_plan.trainer_dtype(config)
     simulated = memory_sim.simulate_update(model_config, config, dtype)
     estimate = memory_plan.estimate_update_peak(model_config, config, dtype, True)
     assert estimate["resident"] == pytest.approx(simulated["resident"], rel=1e-6)
@@ -97,7 +98,7 @@ def test_the_formulas_terms_on_a_tiny_shape(full_finetune):
     tables, per-token values of the loss) weigh more than at a 7B's."""
     model_config = Qwen2Config(**TINY_SHAPE)
     config = run_config(micro_batch_size=4, full_finetune=full_finetune)
-    dtype = memory_plan.trainer_dtype(config, "cuda")
+    dtype = memory_plan.trainer_dtype(config)
     simulated = memory_sim.simulate_update(model_config, config, dtype)
     estimate = memory_plan.estimate_update_peak(model_config, config, dtype, True)
     assert estimate["weights"] == pytest.approx(simulated["weights"], abs=2 * 64)
@@ -156,7 +157,7 @@ def test_a_cuda_run_that_cannot_fit_is_refused_before_the_model_loads(
     for micro_batch in (1, 4):
         trial = run_config(model=tiny_config_dir, backend="hf", micro_batch_size=micro_batch)
         model_config = memory_plan.read_model_config(tiny_config_dir)
-        dtype = memory_plan.trainer_dtype(config, "cuda")
+        dtype = memory_plan.trainer_dtype(config)
         estimate = memory_plan.estimate_update_peak(model_config, trial, dtype, True)
         peaks[micro_batch] = estimate["peak"]
     card_gb = (peaks[1] + peaks[4]) / 2 / 0.95 / 1e9
@@ -181,9 +182,9 @@ def test_a_cuda_run_that_cannot_fit_is_refused_before_the_model_loads(
     # The same run on a card it fits says nothing and goes on.
     fits = run_config(model=tiny_config_dir, backend="hf")
     fits.extras["memory"] = memory_plan.PlanConfig(gpu_gb=card_gb * 10)
-    forecast_gb = memory_plan.before_loading(
-        fits, with_reference=sage.needs_reference(fits)
-    )  # its forecast, for the run's logger
+    forecast_gb = memory_plan.before_loading(  # its forecast, for the run's logger
+        fits, sage.needs_reference(fits), hf_engine.sampling_bytes
+    )
     assert forecast_gb is not None and 0 <= forecast_gb < card_gb
 
 
@@ -191,12 +192,36 @@ def test_the_engine_share_that_cannot_fit_names_its_flags(tiny_config_dir, monke
     config = run_config(model=tiny_config_dir)
     config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=2)  # the engine alone needs > 2 GB
     with pytest.raises(SystemExit, match="lower --max-seq-len or use a larger GPU, or pass "):
-        memory_plan.before_loading(
-            config, with_reference=sage.needs_reference(config)
-        )  # --backend hf: its plan fits (no engine)
+        # --backend hf: its plan fits (no engine)
+        memory_plan.before_loading(config, sage.needs_reference(config), hf_engine.sampling_bytes)
     config.full_finetune = True  # the trainer's float32 state is what crowds the engine out
     with pytest.raises(SystemExit, match="use a larger GPU, or drop --full-finetune"):
-        memory_plan.before_loading(config, with_reference=sage.needs_reference(config))
+        memory_plan.before_loading(config, sage.needs_reference(config), hf_engine.sampling_bytes)
+
+
+def test_a_full_finetune_is_one_refusal_on_cuda_and_a_weights_check_where_no_plan_runs(
+    tmp_path, monkeypatch
+):
+    """On CUDA the plan refuses a 7B --full-finetune on an 80 GB card from its float32 weights,
+    AdamW's moments and reference alone, naming --full-finetune and no flag that cannot help. Where
+    no plan runs (the CPU, extras/trl_sage.py), ``check_full_finetune_fits`` counts the same
+    weights, their gradients and a bf16 engine's copy on CUDA: 168 GB."""
+    Qwen2Config(**SEVEN_B_SHAPE).save_pretrained(tmp_path)
+    config = sage.Config(model=str(tmp_path), full_finetune=True)
+    config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=80)
+    with pytest.raises(SystemExit) as refused:
+        memory_plan.before_loading(config, sage.needs_reference(config), hf_engine.sampling_bytes)
+    message = str(refused.value)
+    assert message.endswith("alone take 121.8 GB: drop --full-finetune (LoRA, the paper's setting)")
+    assert "--max-seq-len" not in message and "--backend hf" not in message
+    card = type("Card", (), {"total_memory": 80 * 10**9})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: card)
+    with pytest.raises(SystemExit, match="7.6B-parameter model needs about 168 GB") as refused:
+        memory_plan.check_full_finetune_fits(str(tmp_path), with_reference=True, with_engine=True)
+    assert "drop --full-finetune" in str(refused.value) and "\n" not in str(refused.value)
+    # A model that does not read passes here: the loader says why, in its own line.
+    assert memory_plan.check_full_finetune_fits(str(tmp_path / "none"), True, True) is None
 
 
 @pytest.mark.slow
@@ -237,25 +262,21 @@ def test_a_step_whose_kv_cache_does_not_fit_samples_in_waves(tmp_path):
     Qwen2Config(**SEVEN_B_SHAPE).save_pretrained(tmp_path)
     model_config = memory_plan.read_model_config(str(tmp_path))
     long_run = sage.Config(model=str(tmp_path), max_seq_len=8192)
-    engine, problem = memory_plan.engine_share(model_config, long_run, card_bytes=48 * 10**9)
-    assert not problem and 1 <= engine["sequences"] < 64
+    peaks = memory_plan.forecast(long_run, 48 * 10**9, True, hf_engine.sampling_bytes)
+    engine, resident = peaks["engine"], peaks["update"]["resident"]
+    assert not peaks["engine_problem"] and 1 <= engine["sequences"] < 64
+    assert engine["waves"] == math.ceil(64 / engine["sequences"])
     per_sequence = 8192 * memory_plan.kv_bytes_per_token(model_config)
     assert engine["kv_cache"] == engine["sequences"] * per_sequence
-    awake = 2 * engine["weights"] + engine["working"] + engine["kv_cache"]  # both weight copies
-    assert awake <= (1 - memory_plan.GPU_HEADROOM) * 48e9 < awake + per_sequence + 0.01 * 48e9
+    awake = resident + engine["weights"] + engine["working"] + engine["kv_cache"]
+    # It fits with its margin, and one more sequence would not: the count is the largest.
+    margin = memory_plan.SHARE_MARGIN * 48e9
+    usable = (1 - memory_plan.GPU_HEADROOM) * 48e9
+    assert awake + margin <= usable < awake + per_sequence + margin
     assert engine["share"] * 48e9 >= engine["weights"] + engine["working"] + engine["kv_cache"]
-    # One more sequence would not fit: the count is the largest.
-    with pytest.raises(vllm_backend.CheckError, match="more than the GPU holds"):
-        memory_plan.cuda_memory_share(
-            model_config,
-            max_model_len=8192,
-            max_num_seqs=engine["sequences"] + 1,
-            requested=None,
-            total_bytes=48 * 10**9,
-        )
     paper_run = sage.Config(model=str(tmp_path), max_seq_len=2048)
-    engine, _ = memory_plan.engine_share(model_config, paper_run, card_bytes=80 * 10**9)
-    assert engine["sequences"] == 64
+    peaks = memory_plan.forecast(paper_run, 80 * 10**9, True, hf_engine.sampling_bytes)
+    assert peaks["engine"]["sequences"] == 64 and peaks["engine"]["waves"] == 1
 
 
 def test_the_trainers_engine_is_given_the_waves_it_can_hold(monkeypatch, capsys):
@@ -274,7 +295,7 @@ def test_the_trainers_engine_is_given_the_waves_it_can_hold(monkeypatch, capsys)
         default=0.3,
         trainer_bytes=trainer_bytes,
     )
-    at_once = memory_plan.engine_sequences(
+    at_once, _ = memory_plan.size_engine(
         model_config, max_model_len=8192, step_sequences=64, total_bytes=48 * 10**9
     )
     assert kwargs == {"max_num_seqs": at_once, "max_num_batched_tokens": 8192} and at_once < 64
@@ -292,18 +313,22 @@ def test_a_requested_share_too_small_or_too_large_names_the_share_that_works():
     the most that is; in between, the engine holds what the share's cache fits."""
     model_config = Qwen2Config(**SEVEN_B_SHAPE)
     sizing = dict(max_model_len=8192, step_sequences=64, total_bytes=48 * 10**9)
+
+    def at_once(requested: float | None) -> int:  # the sequences the engine holds at once
+        return memory_plan.size_engine(model_config, requested=requested, **sizing)[0]
+
     for requested in (0.3, 0.37, 0.375):
         with pytest.raises(vllm_backend.CheckError, match=r"pass (\d\.\d\d) or more") as small:
-            memory_plan.engine_sequences(model_config, requested=requested, **sizing)
+            at_once(requested)
         suggested = float(small.value.args[0].split("pass ")[1].split(" ")[0])
-        assert memory_plan.engine_sequences(model_config, requested=suggested, **sizing) >= 1
+        assert at_once(suggested) >= 1
     with pytest.raises(vllm_backend.CheckError, match=r"pass at most (\d\.\d\d)") as large:
-        memory_plan.engine_sequences(model_config, requested=0.9, **sizing)
+        at_once(0.9)
     most = float(large.value.args[0].split("at most ")[1].split(",")[0])
-    fit = memory_plan.engine_sequences(model_config, requested=most, **sizing)
-    default = memory_plan.engine_sequences(model_config, **sizing)
+    fit = at_once(most)
+    default = at_once(None)
     assert default - 1 <= fit <= default  # (the most is rounded down to a hundredth)
-    assert 1 <= memory_plan.engine_sequences(model_config, requested=0.5, **sizing) < fit
+    assert 1 <= at_once(0.5) < fit
 
 
 def test_the_trainers_resident_bytes_count_adamws_moments_before_they_exist(tiny):
@@ -348,7 +373,7 @@ def test_on_cuda_the_trainers_engine_starts_with_the_sequences_that_fit(monkeypa
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: None)
     limits = rollout.engine_limits(prompts_per_call=8, n=8, max_prompt_len=512, max_model_len=8192)
     rollout.VLLMEngine("/a/7b", max_model_len=8192, **limits)
-    at_once = memory_plan.engine_sequences(
+    at_once, needed = memory_plan.size_engine(
         seven_b,
         max_model_len=8192,
         step_sequences=64,
@@ -357,14 +382,6 @@ def test_on_cuda_the_trainers_engine_starts_with_the_sequences_that_fit(monkeypa
     )
     assert 1 <= at_once < 64 and started["max_num_seqs"] == at_once
     assert started["max_num_batched_tokens"] == limits["max_num_batched_tokens"]
-    needed = memory_plan.cuda_memory_share(
-        seven_b,
-        max_model_len=8192,
-        max_num_seqs=at_once,
-        requested=None,
-        total_bytes=48 * 10**9,
-        trainer_bytes=trainer_bytes,
-    )
     assert started["gpu_memory_utilization"] == needed and started["enable_sleep_mode"]
     assert trainer_bytes + needed * 48e9 <= (1 - memory_plan.GPU_HEADROOM) * 48e9
     assert "waves" in capsys.readouterr().out

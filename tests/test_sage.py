@@ -772,15 +772,16 @@ def test_a_run_that_cannot_start_ends_in_one_line_and_writes_nothing(
     "case, message",
     [
         ("a directory without a model", "cannot load model"),  # as in the test above
-        ("a 7B --full-finetune", "--full-finetune of a 7.6B-parameter model needs about"),
+        ("a 7B --full-finetune", "alone take 121.8 GB: drop --full-finetune (LoRA"),
     ],
 )
-def test_on_cuda_the_cheap_checks_speak_before_the_memory_plan(
+def test_on_cuda_a_model_that_cannot_load_or_fit_is_one_line_before_it_loads(
     case, message, tmp_path, monkeypatch
 ):
     """The memory plan runs on CUDA only, so this CPU forces its path (an 80 GB card): a model
-    directory without a model and a 7B --full-finetune (tests/test_sage_cli.py) give the same
-    line as on the CPU, not the plan's, and no --backend hf advice the plan cannot back."""
+    directory without a model gives the same line as on the CPU (the cheaper check speaks before
+    the plan), a 7B --full-finetune (on the CPU: tests/test_sage_cli.py) the plan's one refusal
+    naming --full-finetune, and neither any --backend hf advice the plan cannot back."""
     from transformers import Qwen2Config
 
     from machinery import memory_plan
