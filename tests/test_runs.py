@@ -114,7 +114,8 @@ runs.save_checkpoint(sys.argv[1], 2, state)
 
 def test_a_kill_mid_save_leaves_the_previous_checkpoint(tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here])}
+    path = [os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]  # (keep what it had)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
     killed = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, str(tmp_path)], env=env)
     assert killed.returncode == -signal.SIGKILL
     assert runs.restore_or_start(True, str(tmp_path), run_state()) == 1
