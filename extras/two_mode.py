@@ -475,7 +475,20 @@ def make_start(seed_dir: str, seed: int, args) -> dict[str, str]:
     }
     rows = [{"problem": p, "answer": task.answer, "mode": "B"} for p in PHRASINGS]
     write_jsonl_atomic(files["problems"], rows)
+    made_with = {
+        "k": args.k,
+        "m": args.m,
+        "sft_examples": args.sft_examples,
+        "sft_epochs": args.sft_epochs,
+    }
+    recipe = os.path.join(seed_dir, "start.json")  # what the start was made with
     if os.path.exists(os.path.join(files["model"], "config.json")):
+        with open(recipe) as handle:
+            if json.load(handle) != made_with:
+                raise SystemExit(
+                    f"error: {seed_dir}'s start was made with other settings ({recipe}): "
+                    "pass another --out, or remove that directory"
+                )
         return files
     torch.manual_seed(seed)
     init_dir = demo.save_tiny_model(os.path.join(seed_dir, "init_model"), seed=seed)
@@ -486,6 +499,7 @@ def make_start(seed_dir: str, seed: int, args) -> dict[str, str]:
     settings = sft.SFTConfig(sft_epochs=args.sft_epochs, sft_lr=2e-3, sft_batch_size=16)
     sft.sft(model, pairs, tokenizer.pad_token_id, settings, sage.Config(seed=seed), progress=False)
     save_model_atomic(model, tokenizer, files["model"])
+    write_json_atomic(recipe, made_with)
     shutil.rmtree(init_dir, ignore_errors=True)
     return files
 
@@ -564,11 +578,12 @@ def run_seed(seed: int, args) -> dict:
     os.makedirs(seed_dir, exist_ok=True)
     files = make_start(seed_dir, seed, args)
     prediction_file = os.path.join(seed_dir, "prediction.json")
-    known = {}
+    known, settings = {}, {"k": args.k, "m": args.m, "beta": args.beta}
     if os.path.exists(prediction_file):
         with open(prediction_file) as handle:
-            known = json.load(handle)["log_pi_b"]
-    if not all(arm in known for arm in args.arms):  # made for fewer arms, or not yet
+            made = json.load(handle)
+        known = made["log_pi_b"] if made.get("settings") == settings else {}
+    if not all(arm in known for arm in args.arms):  # for fewer arms, other settings, or not yet
         task = TwoModeTask(k=args.k, m=args.m)
         prediction = predict_start(
             files["model"],
@@ -577,6 +592,7 @@ def run_seed(seed: int, args) -> dict:
             arms=tuple(args.arms),
             nodes_path=os.path.join(seed_dir, "start_nodes.npz"),
         )
+        prediction["settings"] = settings
         write_json_atomic(prediction_file, prediction)
     with open(prediction_file) as handle:
         prediction = json.load(handle)

@@ -172,3 +172,17 @@ def test_the_trainer_lifts_pi_b_toward_the_prediction_in_the_tiny_study(tmp_path
         off_task=torch.from_numpy(nodes["off_task"][0]),
     )
     assert remade == pytest.approx(prediction["per_phrasing"][0], abs=1e-9)
+
+
+def test_a_start_made_with_other_settings_is_refused_not_reused(tmp_path):
+    """A seed's SFT start is kept when the study runs again, but only for the K, M and SFT
+    settings it was made with: a start of K = 3 would otherwise be trained as if it were K = 2's."""
+    seed_dir = tmp_path / "seed-1000"
+    (seed_dir / "sft_model").mkdir(parents=True)
+    (seed_dir / "sft_model" / "config.json").write_text("{}")
+    (seed_dir / "start.json").write_text('{"k": 3, "m": 8, "sft_examples": 2400, "sft_epochs": 2}')
+    same = two_mode.parse_args(["--k", "3", "--m", "8"])
+    assert two_mode.make_start(str(seed_dir), 1000, same)["model"] == str(seed_dir / "sft_model")
+    other = two_mode.parse_args(["--k", "2", "--m", "8"])
+    with pytest.raises(SystemExit, match="made with other settings .* pass another --out"):
+        two_mode.make_start(str(seed_dir), 1000, other)
