@@ -668,6 +668,8 @@ def summarize(per_seed: dict[int, dict], args, seconds: float) -> dict:
         "rule": RULE,
         "arms": table,
         "verdict": verdict(table),
+        "margin_rule": {"margins": MARGINS, "plateau_nats": PLATEAU_NATS},
+        "margin_verdict": margin_verdict(per_seed, arms, steps=args.steps),
         "trajectories": {
             arm: {seed: result["arms"][arm] for seed, result in per_seed.items()} for arm in arms
         },
@@ -718,6 +720,91 @@ def verdict(table: dict) -> dict[str, str]:
     return found
 
 
+# The margin rule (docs/two-mode-preregistration.md), fixed before the arms it judges ran. Each
+# margin is chosen by power for 3 seeds, from the per-seed spreads of the earlier study: if
+# every prediction is exact, all 24 comparisons of three settings pass together with
+# probability 0.8 (each at 0.991: the mean's error below 2.60 standard errors).
+MARGINS = {"lift": 0.20, "k3_lift": 0.08, "level": 0.54}
+PLATEAU_NATS = 0.05  # log pi(B), and the reward's block means, over the last 20% of the steps
+
+
+def logit(log_p: float) -> float:
+    """log p - log (1 - p): a level in log-odds (the sampler's root keeps A and B only).
+
+    >>> round(logit(math.log(0.25)), 4)  # log(1 / 3)
+    -1.0986
+    """
+    return log_p - math.log1p(-math.exp(log_p))
+
+
+def plateaued(points: list[dict], rewards: list[float], steps: int) -> bool:
+    """The plateau test: over the last 20% of the steps, log pi(B) at the evaluations, and the
+    means of the reward over five equal blocks, each move less than PLATEAU_NATS (largest minus
+    smallest)."""
+    late = [point["log_pi_b"] for point in points if point["step"] >= 0.8 * steps]
+    tail = rewards[int(0.8 * steps) :]
+    size = max(1, len(tail) // 5)
+    blocks = [sum(tail[i : i + size]) / size for i in range(0, size * 5, size)]
+    return (
+        len(late) >= 2
+        and max(late) - min(late) < PLATEAU_NATS
+        and max(blocks) - min(blocks) < PLATEAU_NATS
+    )
+
+
+def margin_verdict(per_seed: dict[int, dict], arms: list[str], steps: int) -> dict:
+    """The margin rule per arm: its level (the last evaluation's log pi(B) minus the prediction
+    of the trainer's fixed point, ``<arm>/sampler`` where there is one) where every seed passed
+    the plateau test, and each guided arm's lift over its unguided arm (paired by seed) minus the
+    predicted lift; pass when the mean over seeds is within its margin. Levels and lifts also in
+    log-odds (reported, not judged)."""
+    rows = {}
+    for arm in arms:
+        seeds = {}
+        for seed, result in per_seed.items():
+            prediction, last = result["prediction"]["log_pi_b"], result["arms"][arm][-1]
+            predicted = prediction.get(f"{arm}/sampler", prediction[arm])
+            trained = None if last["outside"] > 0 else last["log_pi_b"]
+            rewards = result["steps"][arm]["reward"]
+            seeds[seed] = {
+                "predicted": predicted,
+                "trained": trained,
+                "predicted_logodds": logit(predicted),
+                "trained_logodds": None if trained is None else logit(trained),
+                "plateaued": plateaued(result["arms"][arm], rewards, steps),
+            }
+        rows[arm] = {"per_seed": seeds}
+    for arm, row in rows.items():
+        seeds = row["per_seed"].values()
+        if any(s["trained"] is None for s in seeds):
+            row["level"] = "fails: B left the sampler's support on a seed"
+        elif not all(s["plateaued"] for s in seeds):
+            row["level"] = "transient: not every seed passed the plateau test (not judged)"
+        else:
+            error = sum(s["trained"] - s["predicted"] for s in seeds) / len(seeds)
+            row["level_error"] = error
+            passes = abs(error) < MARGINS["level"]
+            row["level"] = f"{'passes' if passes else 'fails'} ({error:+.3f} nats)"
+        unguided = UNGUIDED.get(arm)
+        if unguided not in rows:
+            continue
+        pairs = [(row["per_seed"][seed], rows[unguided]["per_seed"][seed]) for seed in per_seed]
+        if any(g["trained"] is None or u["trained"] is None for g, u in pairs):
+            row["lift"] = "fails: B left the sampler's support on a seed"
+            continue
+        for scale in ("", "_logodds"):
+            lifts = [
+                (g[f"trained{scale}"] - u[f"trained{scale}"])
+                - (g[f"predicted{scale}"] - u[f"predicted{scale}"])
+                for g, u in pairs
+            ]
+            row[f"lift_error{scale}"] = sum(lifts) / len(lifts)
+        margin = MARGINS["k3_lift" if arm.startswith("k3") else "lift"]
+        passes = abs(row["lift_error"]) < margin
+        row["lift"] = f"{'passes' if passes else 'fails'} ({row['lift_error']:+.3f} nats)"
+    return rows
+
+
 def format_report(summary: dict) -> str:
     """The table: per arm, start, predicted and trained log pi(B), trained - predicted, and the
     lift over the unguided arm (predicted; trained), means with 95% intervals over seeds."""
@@ -735,6 +822,9 @@ def format_report(summary: dict) -> str:
     for arm, entry in summary["arms"].items():
         lines.append(f"{arm:22}" + "".join(f"{cell(entry.get(c)):>28}" for c in columns))
     lines += [f"{arm}: {text}" for arm, text in summary["verdict"].items()]
+    for arm, row in summary["margin_verdict"].items():
+        lift = f", lift {row['lift']}" if "lift" in row else ""
+        lines.append(f"margins, {arm}: level {row['level']}{lift}")
     return "\n".join(lines)
 
 

@@ -186,3 +186,31 @@ def test_a_start_made_with_other_settings_is_refused_not_reused(tmp_path):
     other = two_mode.parse_args(["--k", "2", "--m", "8"])
     with pytest.raises(SystemExit, match="made with other settings .* pass another --out"):
         two_mode.make_start(str(seed_dir), 1000, other)
+
+
+def test_the_margin_rule_judges_levels_at_a_plateau_and_lifts_paired_by_seed():
+    """The study's rule on made-up trajectories: a level is judged only where every seed passed
+    the plateau test, a lift is the guided arm's minus its unguided arm's, less the prediction,
+    paired by seed, and each mean passes within its margin."""
+
+    def arm(levels: list[float], reward: float = 0.97) -> tuple[list[dict], dict]:
+        points = [{"step": 10 * i, "log_pi_b": v, "outside": 0.0} for i, v in enumerate(levels)]
+        return points, {"reward": [reward] * 10 * (len(levels) - 1)}
+
+    flat, moving = [-3.0, -2.9, -2.9, -2.9, -2.9, -2.9], [-3.0, -2.5, -2.6, -2.6, -2.6, -2.0]
+    per_seed = {}
+    for seed, shift in ((1, 0.0), (2, 0.1)):
+        plain, guided = arm([v + shift for v in flat]), arm([v + shift + 0.8 for v in flat])
+        per_seed[seed] = {
+            "prediction": {"log_pi_b": {"k1_return": -3.0, "k1_return_branch_ref": -2.3}},
+            "arms": {"k1_return": plain[0], "k1_return_branch_ref": guided[0]},
+            "steps": {"k1_return": plain[1], "k1_return_branch_ref": guided[1]},
+        }
+    rows = two_mode.margin_verdict(per_seed, ["k1_return", "k1_return_branch_ref"], steps=50)
+    assert rows["k1_return"]["level"].startswith("passes (+0.150")  # mean of +0.1 and +0.2
+    assert rows["k1_return_branch_ref"]["lift"].startswith("passes (+0.100")  # 0.8 - 0.7
+    assert rows["k1_return_branch_ref"]["lift_error_logodds"] > 0.1  # larger in log-odds
+    per_seed[2]["arms"]["k1_return"] = arm(moving)[0]
+    rows = two_mode.margin_verdict(per_seed, ["k1_return", "k1_return_branch_ref"], steps=50)
+    assert rows["k1_return"]["level"].startswith("transient")
+    assert rows["k1_return_branch_ref"]["lift"].startswith("fails")  # (+0.1 - 0.7) / 2: beyond 0.2
