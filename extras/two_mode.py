@@ -473,8 +473,6 @@ def make_start(seed_dir: str, seed: int, args) -> dict[str, str]:
         "model": os.path.join(seed_dir, "sft_model"),
         "problems": os.path.join(seed_dir, "problems.jsonl"),
     }
-    rows = [{"problem": p, "answer": task.answer, "mode": "B"} for p in PHRASINGS]
-    write_jsonl_atomic(files["problems"], rows)
     made_with = {
         "k": args.k,
         "m": args.m,
@@ -482,13 +480,19 @@ def make_start(seed_dir: str, seed: int, args) -> dict[str, str]:
         "sft_epochs": args.sft_epochs,
     }
     recipe = os.path.join(seed_dir, "start.json")  # what the start was made with
-    if os.path.exists(os.path.join(files["model"], "config.json")):
+    made = os.path.exists(os.path.join(files["model"], "config.json"))
+    recorded = None
+    if made and os.path.exists(recipe):
         with open(recipe) as handle:
-            if json.load(handle) != made_with:
-                raise SystemExit(
-                    f"error: {seed_dir}'s start was made with other settings ({recipe}): "
-                    "pass another --out, or remove that directory"
-                )
+            recorded = json.load(handle)
+    if made and recorded != made_with:
+        raise SystemExit(
+            f"error: {seed_dir}'s start was made with other settings, or before {recipe} "
+            "recorded them: pass another --out, or remove that directory"
+        )
+    rows = [{"problem": p, "answer": task.answer, "mode": "B"} for p in PHRASINGS]
+    write_jsonl_atomic(files["problems"], rows)
+    if made:
         return files
     torch.manual_seed(seed)
     init_dir = demo.save_tiny_model(os.path.join(seed_dir, "init_model"), seed=seed)
@@ -498,8 +502,8 @@ def make_start(seed_dir: str, seed: int, args) -> dict[str, str]:
     pairs, _ = tokenize_sft_examples(tokenizer, examples, max_tokens=1024)
     settings = sft.SFTConfig(sft_epochs=args.sft_epochs, sft_lr=2e-3, sft_batch_size=16)
     sft.sft(model, pairs, tokenizer.pad_token_id, settings, sage.Config(seed=seed), progress=False)
+    write_json_atomic(recipe, made_with)  # first: a saved start always has its recipe
     save_model_atomic(model, tokenizer, files["model"])
-    write_json_atomic(recipe, made_with)
     shutil.rmtree(init_dir, ignore_errors=True)
     return files
 

@@ -184,8 +184,13 @@ def test_a_start_made_with_other_settings_is_refused_not_reused(tmp_path):
     same = two_mode.parse_args(["--k", "3", "--m", "8"])
     assert two_mode.make_start(str(seed_dir), 1000, same)["model"] == str(seed_dir / "sft_model")
     other = two_mode.parse_args(["--k", "2", "--m", "8"])
-    with pytest.raises(SystemExit, match="made with other settings .* pass another --out"):
+    with pytest.raises(SystemExit, match="made with other settings.* pass another --out"):
         two_mode.make_start(str(seed_dir), 1000, other)
+    problems = (seed_dir / "problems.jsonl").read_text()
+    assert "k=3 m=8" in problems and "k=2" not in problems  # not rewritten for K = 2
+    (seed_dir / "start.json").unlink()  # a start made before its recipe was recorded
+    with pytest.raises(SystemExit, match="before .*start.json recorded them"):
+        two_mode.make_start(str(seed_dir), 1000, same)
 
 
 def test_the_margin_rule_judges_levels_at_a_plateau_and_lifts_paired_by_seed():
