@@ -291,8 +291,10 @@ def test_k1_return_shaping_keeps_every_tensor_on_the_log_probs_device():
             loss=loss.LossConfig(advantage="rloo", kl="reverse", kl_estimator="k1_return"),
         )
         generator = torch.Generator().manual_seed(0)
-        # on a GPU node, the real device (torch.nanquantile is data-dependent under fake CUDA)
-        on_gpu = contextlib.nullcontext() if torch.cuda.is_available() else None
+        # on a GPU node, the real device (torch.nanquantile is data-dependent under fake CUDA);
+        # a CPU build that says it sees a GPU (the gpu_sim sweep) keeps the fake one
+        real_gpu = torch.version.cuda is not None and torch.cuda.is_available()
+        on_gpu = contextlib.nullcontext() if real_gpu else None
         with on_gpu or FakeTensorMode(allow_non_fake_inputs=True):
             batches, fixed = [], []
             for rows in ([0, 1, 2, 3], [4, 5]):
