@@ -202,7 +202,7 @@ def loss_and_grads(trainer, compute):
 
 
 # Not a rounding bound: TRL's loss and sage.py's are two implementations (their own masking,
-# normalisation and reduction orders) compared in CPU float32; 1e-6 is kept as found (issue 39).
+# normalisation and reduction orders) compared in CPU float32; 1e-6 is kept as found.
 def assert_close(first, second, tolerance=1e-6):
     (value_a, grads_a), (value_b, grads_b) = first, second
     assert abs(value_a.item() - value_b.item()) <= tolerance, (value_a.item(), value_b.item())
@@ -325,7 +325,7 @@ def test_kl_return_reward_is_the_sequence_k1_of_the_anchor(tiny_model_dir, tmp_p
         expected.append(
             loss.kl_shaped_rewards(torch.zeros(1), logps, ref, log_q, mask, 0.05).item()
         )
-    # Kept as found (issue 39, not yet bounded): batched float32 against one unpadded sequence;
+    # Kept as found, not yet bounded: batched float32 against one unpadded sequence;
     # an honest float32 forward bound is far looser, a float64 rerun is the fix.
     assert rewards == pytest.approx(expected, abs=1e-5)
     assert set(logged) == {"kl/ref_k1", "kl/anchor_k1", "q/mean"}
