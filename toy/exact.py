@@ -20,6 +20,7 @@ Pieces, in the order the checks use them:
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 
@@ -110,12 +111,19 @@ class TokenTree:
         return tuple(self.completion_mask.shape)
 
     def param_log_probs(self, theta: torch.Tensor) -> torch.Tensor:
-        """log pi(a | s) for every (node s, child a) pair: a log-softmax within each node. [P]"""
-        parts = [
-            torch.log_softmax(theta[o : o + len(c)], dim=0)
-            for o, c in zip(self.offsets, self.children)
-        ]
-        return torch.cat(parts)
+        """log pi(a | s) for every (node s, child a) pair: a log-softmax within each node, over
+        all nodes at once (each node's largest logit subtracted first, as log_softmax does). [P]
+
+        >>> tree = TokenTree([(0, 0), (0, 1), (1,)])
+        >>> tree.param_log_probs(torch.tensor([0.0, 0.0, 1.0, 1.0], dtype=DTYPE)).exp()
+        tensor([0.5000, 0.5000, 0.5000, 0.5000], dtype=torch.float64)
+        """
+        node = self.node_of_param  # [P]
+        largest = torch.full((len(self.nodes),), -math.inf, dtype=theta.dtype)
+        largest = largest.scatter_reduce(0, node, theta, reduce="amax")  # [num_nodes]
+        shifted = theta - largest[node]
+        totals = torch.zeros(len(self.nodes), dtype=theta.dtype).index_add(0, node, shifted.exp())
+        return shifted - totals.log()[node]
 
     def token_logps(self, theta: torch.Tensor) -> torch.Tensor:
         """log pi(y_t | y_<t) of every completion's tokens, 0 on padding. [B, T]"""
