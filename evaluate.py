@@ -7,7 +7,7 @@ Read top to bottom, this is an evaluation run:
    variance for standard errors; mean, std and standard error over seeds.
 2. Sampling: one engine call per seed with n samples per prompt (the paper's evaluation config:
    temperature 0.3, top-p 0.95, min-p 0.01), then grading in a pool with hard timeouts
-   (machinery/task.py), per-problem correct counts, pass@k. The trainer's --eval-every
+   (task/grading.py), per-problem correct counts, pass@k. The trainer's --eval-every
    (``EvalConfig``, ``training_evaluation``) calls ``evaluation_rows`` on its own engine.
 3. Support: the exact log pi(y*|x) of a known solution y*, teacher-forced at the sampler's
    temperature and min-p (``support_probe``, Theorem 4.3), and the trainer's guide map along y*.
@@ -37,16 +37,8 @@ import rollout
 from machinery import cli, fast_logprobs, models
 from machinery import results as files
 from machinery.runs import write_json_atomic
-from machinery.task import (
-    GRADERS,
-    DataError,
-    build_prompt_ids,
-    default_pool,
-    grade_batch,
-    grading_pool,
-    resolve_benchmarks,
-    sft_completion,
-)
+from task.grading import GRADERS, default_pool, grade_batch, grading_pool
+from task.problems import DataError, build_prompt_ids, resolve_benchmarks, sft_completion
 
 
 class EvalError(cli.UsageError):
@@ -250,7 +242,7 @@ def generate_and_grade(
 ) -> SeedSamples:
     """``sampling.n`` samples per prompt (token ids) in one seeded engine call (``sampling``: a
     rollout.SamplingConfig), then grading against the
-    problems (machinery.task.Problem) in ``pool`` (a GradingPool; default: the shared one).
+    problems (task.problems.Problem) in ``pool`` (a GradingPool; default: the shared one).
 
     One call, not several: the engine derives each prompt's seed from ``sampling.seed`` and the
     prompt's position in the call, so the same call reproduces the same samples.
@@ -805,7 +797,7 @@ class EvalArgs:
     gpu_memory_utilization: float | None = field(default=None, metadata={"range": "in (0, 1]"})
     """vLLM memory fraction (default: 0.9 on CUDA, the engine runs alone; on CPU the share of
     RAM for the KV cache, 0.05)."""
-    # machinery.task.GRADE_TIMEOUT_S (a test holds them equal)
+    # task.grading.GRADE_TIMEOUT_S (a test holds them equal)
     grade_timeout: float = field(default=5.0, metadata={"range": "> 0"})
     """Per-item grading timeout in seconds."""
     grading_workers: int | None = field(default=None, metadata={"range": ">= 1"})

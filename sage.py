@@ -38,13 +38,8 @@ import rollout
 from evaluate import EvalConfig
 from extras.flags import DynamicSamplingConfig, HintsConfig, SFTConfig
 from machinery import cli, memory_plan, models, runs
-from machinery.task import (
-    PromptSampler,
-    build_prompt_ids,
-    load_reward_function,
-    load_rows,
-    training_problems,
-)
+from task.grading import load_reward_function
+from task.problems import PromptSampler, build_prompt_ids, load_rows, training_problems
 
 # ---- Configuration: one typed dataclass, a docstring per field, parsed once --------------------
 

@@ -9,8 +9,8 @@
 # What the node lacks and the checked code imports (torch brings sympy, jinja2, fsspec, filelock;
 # transformers brings huggingface_hub, numpy, packaging, pyyaml, tqdm, tokenizers, safetensors;
 # peft and accelerate bring psutil):
-#   - the grader: math-verify, latex2sympy2_extended, the antlr4 runtime (machinery/task.py);
-#   - datasets and what it imports (machinery/task.py's load_rows reads every run's problems with
+#   - the grader: math-verify, latex2sympy2_extended, the antlr4 runtime (task/grading.py);
+#   - datasets and what it imports (task/problems.py's load_rows reads every run's problems with
 #     it, so sage.py and most tests need it): pyarrow, pandas, python-dateutil, tzdata, dill, multiprocess, xxhash;
 #   - docstring-parser (machinery/cli.py reads each flag's help with it), pure Python;
 #   - trl (extras/trl_sage.py, tests/test_trl_sage.py), pure Python;

@@ -1,7 +1,7 @@
 """Pooled grading vs a serial loop, and the hard timeout on adversarial answers.
 
 1. Speed: the same 2,000 completions (250 problems x 8 rollouts, a training step's shape scaled
-   up) are graded once by a serial loop of ``task.grade`` in this process and once by a
+   up) are graded once by a serial loop of ``grading.grade`` in this process and once by a
    ``GradingPool`` (one worker per core), taking turns on blocks of 500 so that both meet the
    same background load. Both sides are warmed first on the same other completions
    (math-verify imported, its regexes and LaTeX parser caches built, the pool's workers
@@ -34,7 +34,7 @@ import time
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from machinery import task  # noqa: E402
+from task import grading  # noqa: E402
 
 # (reference, equivalent ways to write it, a wrong answer)
 ANSWERS = [
@@ -136,8 +136,8 @@ def serial_vs_pooled(
     """Serial and pooled grading take turns on blocks of the same completions, so that both see the
     same background load (this machine may be shared); each side grades all of them exactly once."""
     started = time.perf_counter()
-    pool = task.grading_pool(num_workers=workers, timeout_s=30.0)
-    task.grade_batch(warm_c, warm_r, pool=pool)
+    pool = grading.grading_pool(num_workers=workers, timeout_s=30.0)
+    grading.grade_batch(warm_c, warm_r, pool=pool)
     pool_startup_s = time.perf_counter() - started
     serial, pooled, serial_s, pooled_s = [], [], 0.0, 0.0
     serial_cpu_s = pooled_cpu_s = serial_wait_s = pooled_wait_s = 0.0
@@ -145,13 +145,13 @@ def serial_vs_pooled(
     for start in range(0, len(completions), block):
         block_c, block_r = completions[start : start + block], references[start : start + block]
         started, cpu, wait = time.perf_counter(), time.process_time(), runqueue_wait_s()
-        serial += [task.grade(c, r) for c, r in zip(block_c, block_r)]
+        serial += [grading.grade(c, r) for c, r in zip(block_c, block_r)]
         serial_s += time.perf_counter() - started
         serial_cpu_s += time.process_time() - cpu
         serial_wait_s += runqueue_wait_s() - wait
         started, cpu = time.perf_counter(), cpu_seconds(pids) + time.process_time()
         wait = sum(map(runqueue_wait_s, pids))
-        pooled += task.grade_batch(block_c, block_r, pool=pool)
+        pooled += grading.grade_batch(block_c, block_r, pool=pool)
         pooled_s += time.perf_counter() - started
         pooled_cpu_s += cpu_seconds(pids) + time.process_time() - cpu
         pooled_wait_s += sum(map(runqueue_wait_s, pids)) - wait
@@ -177,12 +177,12 @@ def adversarial_run(
     normal_c, normal_r = completions[:100], references[:100]
     mixed_c = normal_c[:50] + [c for c, _ in ADVERSARIAL] + normal_c[50:]
     mixed_r = normal_r[:50] + [r for _, r in ADVERSARIAL] + normal_r[50:]
-    pool = task.grading_pool(num_workers=workers, timeout_s=timeout)
-    task.grade_batch(warm_c[:8], warm_r[:8], pool=pool)
+    pool = grading.grading_pool(num_workers=workers, timeout_s=timeout)
+    grading.grade_batch(warm_c[:8], warm_r[:8], pool=pool)
     started = time.perf_counter()
-    mixed = task.grade_batch(mixed_c, mixed_r, pool=pool)
+    mixed = grading.grade_batch(mixed_c, mixed_r, pool=pool)
     adversarial_s = time.perf_counter() - started
-    after = task.grade_batch(normal_c[:20], normal_r[:20], pool=pool)  # still usable
+    after = grading.grade_batch(normal_c[:20], normal_r[:20], pool=pool)  # still usable
     stats = dict(pool.stats)
     pool.close()
     return {
@@ -211,7 +211,7 @@ def main() -> None:
     # caches, worker start-up).
     warm_c, warm_r = make_completions(256, seed=1)
     for completion, reference in zip(warm_c, warm_r):
-        task.grade(completion, reference)
+        grading.grade(completion, reference)
     speed = serial_vs_pooled(completions, references, warm_c, warm_r, args.workers, args.block)
     serial, serial_s, pooled_s = speed["serial"], speed["serial_s"], speed["pooled_s"]
     hard = adversarial_run(

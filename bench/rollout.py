@@ -43,7 +43,7 @@ import loss  # noqa: E402
 import rollout  # noqa: E402
 from extras import demo  # noqa: E402
 from extras import hf_engine as hf_backend  # noqa: E402
-from machinery import task  # noqa: E402
+from task.problems import SYSTEM_PROMPT  # noqa: E402
 
 MIN_P_TOLERANCE = 2e-4  # in logits / T; >= 3x the largest engine-trainer log-prob gap without min-p
 QUESTIONS = (
@@ -79,7 +79,7 @@ def chat_prompts(tokenizer, count: int) -> list[list[int]]:
     for i in range(count):
         question = QUESTIONS[i % len(QUESTIONS)].format(a=17 * i + 3, b=i + 2)
         messages = [
-            {"role": "system", "content": task.SYSTEM_PROMPT},
+            {"role": "system", "content": SYSTEM_PROMPT},
             {"role": "user", "content": question},
         ]
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

@@ -35,7 +35,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from machinery.task import FORMAT_TOKENS, SYSTEM_PROMPT, format_completion
+from task.problems import FORMAT_TOKENS, SYSTEM_PROMPT, format_completion
 
 # --------------------------------------------------------------------------------------------
 # 1. sage.py's flags for the demo

@@ -229,7 +229,7 @@ def self_hint(engine, rollouts, rewards, chosen: list[dict], config, step: int, 
     (rollouts, rewards) of the trainer's sampler and reward. Returns (rollouts, rewards, hints/*
     metrics)."""
     import rollout
-    from machinery.task import build_prompt_ids, chat_ids
+    from task.problems import build_prompt_ids, chat_ids
 
     stats, group_size, tokenizer = HintStats(), config.rollouts, engine.tokenizer
     unsolved = [g for g, group in enumerate(rewards.view(-1, group_size)) if group.max() <= 0]

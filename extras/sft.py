@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 import loss
 from extras.flags import SFTConfig
-from machinery.task import DataError, build_prompt_ids, require_fields, sft_completion
+from task.problems import DataError, build_prompt_ids, require_fields, sft_completion
 
 
 def sft_examples(
@@ -143,7 +143,7 @@ def warm_start(config, run_dir: str, wrap_lora) -> str:
     kept and how many dropped (a non-numeric answer, or longer than --sft-max-tokens).
     """
     from machinery import models, runs
-    from machinery.task import load_rows
+    from task.problems import load_rows
 
     settings, final = config.extras["sft"], os.path.join(run_dir, "sft_model")
     if config.resume and os.path.exists(os.path.join(final, "config.json")):

@@ -52,16 +52,9 @@ import loss
 import sage
 from machinery import cli, runs
 from machinery.models import attention_implementation
-from machinery.task import (
-    SYSTEM_PROMPT,
-    DataError,
-    RewardError,
-    build_prompt_ids,
-    load_reward_function,
-    load_rows,
-    training_problems,
-)
 from sage import LORA_TARGETS
+from task.grading import RewardError, load_reward_function
+from task.problems import SYSTEM_PROMPT, DataError, build_prompt_ids, load_rows, training_problems
 
 TRL_VERSION = "1.16.0"
 """The TRL release this module is written and tested against (one private method, see above)."""

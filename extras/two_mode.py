@@ -64,7 +64,7 @@ from machinery.runs import (
     write_json_atomic,
     write_jsonl_atomic,
 )
-from machinery.task import build_prompt_ids
+from task.problems import build_prompt_ids
 from toy import backward
 from toy.exact import TokenTree
 

@@ -1,8 +1,8 @@
 """Machinery the method runs on but does not consist of: the run's files (config, metrics and
-their trackers, checkpoints), data loading, answer grading and its worker pool, model loading,
-the command line, vLLM-on-CPU handling, the fast log-prob kernel, the memory plan (and the
-engine's share of the GPU), evaluate.py's results files, the weight push and input checks. It
-imports no chapter: a chapter passes it what it needs.
+their trackers, checkpoints), model loading, the command line, vLLM-on-CPU handling, the fast
+log-prob kernel, the memory plan (and the engine's share of the GPU), evaluate.py's results
+files, the weight push and input checks. The task (problems, prompt, grading, reward) is task/'s.
+It imports no chapter: a chapter passes it what it needs.
 """
 
 

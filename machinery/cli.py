@@ -35,7 +35,8 @@ from collections.abc import Sequence
 import docstring_parser
 
 from machinery import UsageError
-from machinery.task import LOCAL_FORMATS, RewardError, load_reward_function
+from task.grading import RewardError, load_reward_function
+from task.problems import LOCAL_FORMATS
 
 
 def field_docs(cls) -> dict[str, str]:

@@ -8,7 +8,7 @@
 3. A seed's samples into the file (``record_seed``), and saved per (benchmark, seed) for the
    analyses (``--save-completions``).
 
-A problem with the model or the file raises ``DataError`` (machinery/task.py), one starting the
+A problem with the model or the file raises ``DataError`` (task/problems.py), one starting the
 engine ``rollout.RolloutError``: evaluate.py prints either as one line. Like all of machinery/,
 this module imports no chapter: it reads what it needs off the objects evaluate.py passes
 (``EvalArgs``, ``EvalSampling``, ``SeedSamples``, the engine's maker).
@@ -26,7 +26,7 @@ import time
 import torch
 
 from machinery.runs import write_jsonl_atomic
-from machinery.task import DataError
+from task.problems import DataError
 
 # --------------------------------------------------------------------------------------------
 # 1. The model: what was evaluated, and the engine on it (an adapter merged in memory)

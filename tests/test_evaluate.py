@@ -29,7 +29,8 @@ import pytest
 import evaluate
 import machinery.results
 from extras import analysis, demo
-from machinery import task
+from task import grading
+from task.problems import DataError, Problem
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,7 +41,7 @@ def test_doctests_pass():
 
 
 def test_defaults_kept_beside_their_source_agree_with_it():
-    assert evaluate.EvalArgs.grade_timeout == task.GRADE_TIMEOUT_S
+    assert evaluate.EvalArgs.grade_timeout == grading.GRADE_TIMEOUT_S
     assert set(evaluate.ANALYSES) == set(analysis.SUBCOMMANDS)
     config, sampling = evaluate.EvalConfig(), evaluate.EvalSampling()
     assert (config.eval_temperature, config.eval_top_p) == (sampling.temperature, sampling.top_p)
@@ -122,7 +123,7 @@ def write_jsonl(path, rows):
 
 @pytest.fixture(scope="module")
 def pool():
-    with task.grading_pool(num_workers=2, timeout_s=60.0) as grading_pool:
+    with grading.grading_pool(num_workers=2, timeout_s=60.0) as grading_pool:
         yield grading_pool
 
 
@@ -172,7 +173,7 @@ def test_unknown_backend_lists_the_choices():
 
 def test_evaluate_problems_counts_correct_samples_per_problem_and_seed(pool):
     engine = ScriptedEngine()
-    problems = [task.Problem(row["question"], row["solution"]) for row in TINY_PROBLEMS]
+    problems = [Problem(row["question"], row["solution"]) for row in TINY_PROBLEMS]
     n = 4
     out = evaluate.evaluate_problems(
         engine, engine.tokenizer, problems, n=n, seeds=[0, 1], pool=pool
@@ -280,7 +281,7 @@ def test_model_identity_hashes_the_adapters_bytes_and_the_weights_sizes(tmp_path
     assert first["architectures"] == ["Toy"] and first["fingerprint"] != second["fingerprint"]
     (model / "model.safetensors").write_bytes(b"other!!")  # same size: weights' bytes are not read
     assert identity(str(model), str(adapter))["fingerprint"] == second["fingerprint"]
-    with pytest.raises(task.DataError, match="not a peft adapter directory"):
+    with pytest.raises(DataError, match="not a peft adapter directory"):
         identity(str(model), str(model))
 
 
@@ -351,7 +352,7 @@ def test_cli_end_to_end_on_a_tiny_model_with_an_adapter(tmp_path, tiny_model_dir
             json.loads(line) for line in open(os.path.join(samples, f"digits.seed{seed}.jsonl"))
         ]
         regraded = [
-            sum(task.grade(c["text"], row["answer"]) for c in row["completions"]) for row in rows
+            sum(grading.grade(c["text"], row["answer"]) for c in row["completions"]) for row in rows
         ]
         # counts = a serial regrade of the samples
         assert entry["seeds"][seed]["correct"] == regraded

@@ -9,7 +9,8 @@ import torch
 
 import sage
 from extras import demo, hints
-from machinery import runs, task
+from machinery import runs
+from task.problems import PromptSampler, build_prompt_ids
 
 
 def test_replies_become_hint_levels_and_leaks_are_counted_not_dropped():
@@ -142,9 +143,7 @@ def run_collect(self_hints: bool, answers=("12", "18")):
         {"problem": "Add 7 and 5.", "answer": answers[0], "solution": "7+5=12"},
         {"problem": "Add 9 and 9.", "answer": answers[1], "solution": ""},
     ]
-    problems = [
-        {**p, "prompt_ids": task.build_prompt_ids(tokenizer, p["problem"])} for p in problems
-    ]
+    problems = [{**p, "prompt_ids": build_prompt_ids(tokenizer, p["problem"])} for p in problems]
     config = sage.parse_config(
         [
             "--model",
@@ -166,7 +165,7 @@ def run_collect(self_hints: bool, answers=("12", "18")):
         graded.append((list(problem_texts), list(answers)))
         return [float(c == "<SOLUTION>" + a + "</SOLUTION>") for c, a in zip(completions, answers)]
 
-    sampler = task.PromptSampler(2, seed=0)
+    sampler = PromptSampler(2, seed=0)
     sampler.take = lambda count: [0, 1]
     drawn_from = sage.Task(problems, sampler=sampler, reward_function=reward)
     result = sage.collect_rollouts(engine, drawn_from, config, 0, runs.PhaseTimer())

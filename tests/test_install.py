@@ -53,6 +53,11 @@ def test_every_module_is_installed_and_its_doctests_run():
     assert sorted(project["tool"]["setuptools"]["py-modules"]) == modules
     testpaths = project["tool"]["pytest"]["ini_options"]["testpaths"]
     assert [name for name in modules if f"{name}.py" not in testpaths] == []
+    packages = sorted(
+        name for name in os.listdir(REPO) if os.path.isfile(os.path.join(REPO, name, "__init__.py"))
+    )
+    assert sorted(project["tool"]["setuptools"]["packages"]) == packages
+    assert [name for name in packages if name not in testpaths] == []
 
 
 def test_a_cuda_install_checks_the_gpu_and_a_flash_attn_wheel_imports():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from machinery import UsageError, models, runs
-from machinery.task import PromptSampler
+from task.problems import PromptSampler
 
 
 def run_state(full_finetune: bool = False) -> tuple:

@@ -14,7 +14,8 @@ import guides
 import loss
 import sage
 from extras import demo, dynamic_sampling, sft
-from machinery import cli, fast_logprobs, runs, task
+from machinery import cli, fast_logprobs, runs
+from task.problems import DataError, format_completion, load_rows
 
 
 def test_paper_defaults_for_model_runs():
@@ -348,7 +349,7 @@ def test_sft_examples_are_never_cut_and_keep_the_closing_format(tmp_path, tiny):
     path = str(tmp_path / "sft.jsonl")
     runs.write_jsonl_atomic(path, rows)
     examples, not_numeric = sft.sft_examples(
-        task.load_rows(path), "problem", "generated_solution", "expected_answer", path
+        load_rows(path), "problem", "generated_solution", "expected_answer", path
     )
     assert not_numeric == 1 and len(examples) == 3
     pairs, stats = sft.tokenize_sft_examples(tokenizer, examples, max_tokens=128)
@@ -362,16 +363,14 @@ def test_sft_examples_are_never_cut_and_keep_the_closing_format(tmp_path, tiny):
     assert tokenizer.decode(pairs[0][1][:-1]).startswith("<start_working_out>2+2=4")
     first, _ = sft.tokenize_sft_examples(tokenizer, examples, max_tokens=128, max_samples=1)
     assert first == pairs[:1]
-    with pytest.raises(task.DataError, match="no SFT example fits in 10 tokens"):
+    with pytest.raises(DataError, match="no SFT example fits in 10 tokens"):
         sft.tokenize_sft_examples(tokenizer, examples, max_tokens=10)
 
 
 def test_sft_lowers_the_loss(tiny):
     _, tokenizer = tiny
     model = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=3)
-    examples = [
-        {"problem": "What is 1 + 2?", "completion": task.format_completion("1+2=3", "3")}
-    ] * 8
+    examples = [{"problem": "What is 1 + 2?", "completion": format_completion("1+2=3", "3")}] * 8
     pairs, _ = sft.tokenize_sft_examples(tokenizer, examples, max_tokens=160)
     settings = sft.SFTConfig(sft_epochs=3, sft_lr=3e-3, sft_batch_size=4, sft_warmup_steps=1)
     losses = sft.sft(

@@ -9,7 +9,7 @@ import torch
 import bounds
 import evaluate
 import loss
-from machinery.task import Problem, build_prompt_ids
+from task.problems import Problem, build_prompt_ids
 
 PROBLEMS = [
     Problem(problem="What is 7 + 5?", answer="12", solution="7+5=12", group="hard"),

@@ -1,4 +1,4 @@
-"""task.py and grading_pool.py: one loader for training rows and benchmarks, the problems and the
+"""task/: one loader for training rows and benchmarks, the problems and the
 prompt sampler; the answer format, grading against hand-decided cases (serial and pooled must
 agree), and the pool's hard timeout on an input that would run for hours."""
 
@@ -10,7 +10,15 @@ import time
 
 import pytest
 
-from machinery import task
+from task import grading
+from task.problems import (
+    DataError,
+    Problem,
+    PromptSampler,
+    load_rows,
+    resolve_benchmarks,
+    training_problems,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,10 +30,10 @@ def write_jsonl(path, rows):
 
 def test_rows_without_an_answer_are_an_error():
     rows = [{"prompt": "1+1", "solution": "2"}, {"prompt": "2+2", "solution": ""}]
-    with pytest.raises(task.DataError, match="row 1 has no answer"):
-        task.training_problems(rows, "prompt", "solution", 0, "data.jsonl")
-    with pytest.raises(task.DataError, match="--problem-key"):
-        task.training_problems(rows, "question", "solution", 0, "data.jsonl")
+    with pytest.raises(DataError, match="row 1 has no answer"):
+        training_problems(rows, "prompt", "solution", 0, "data.jsonl")
+    with pytest.raises(DataError, match="--problem-key"):
+        training_problems(rows, "question", "solution", 0, "data.jsonl")
 
 
 def test_local_dataset_loads_and_missing_dataset_is_one_line(tmp_path):
@@ -33,19 +41,19 @@ def test_local_dataset_loads_and_missing_dataset_is_one_line(tmp_path):
     path.write_text(
         "\n".join(json.dumps({"prompt": f"{i}+1", "solution": str(i + 1)}) for i in range(5))
     )
-    problems = task.training_problems(task.load_rows(str(path)), "prompt", "solution", 3, str(path))
+    problems = training_problems(load_rows(str(path)), "prompt", "solution", 3, str(path))
     assert problems == [{"problem": f"{i}+1", "answer": str(i + 1)} for i in range(3)]
-    with pytest.raises(task.DataError, match="cannot load dataset") as error:
-        task.load_rows("no-such-user/no-such-dataset-xyz")
+    with pytest.raises(DataError, match="cannot load dataset") as error:
+        load_rows("no-such-user/no-such-dataset-xyz")
     assert "\n" not in str(error.value)
 
 
 def test_prompt_sampler_resumes_exactly():
-    sampler = task.PromptSampler(10, seed=0)
+    sampler = PromptSampler(10, seed=0)
     first = sampler.take(7)
     state = sampler.state_dict()
     rest = sampler.take(9)
-    resumed = task.PromptSampler(10, seed=0)
+    resumed = PromptSampler(10, seed=0)
     resumed.load_state_dict(state)
     assert resumed.take(9) == rest
     assert sorted(first + rest[:3]) == list(range(10))  # one epoch is a permutation
@@ -63,17 +71,17 @@ def test_local_jsonl_parquet_and_csv_benchmarks_load_with_custom_keys(tmp_path):
     parquet, csv = str(tmp_path / "tiny2.parquet"), str(tmp_path / "tiny3.csv")
     datasets.Dataset.from_list(TINY_PROBLEMS).to_parquet(parquet)
     datasets.Dataset.from_list(TINY_PROBLEMS).to_csv(csv, index=False)
-    expected = [task.Problem(row["question"], row["solution"]) for row in TINY_PROBLEMS]
-    resolved = task.resolve_benchmarks(f"{jsonl},{parquet},{csv}", "question", "solution")
+    expected = [Problem(row["question"], row["solution"]) for row in TINY_PROBLEMS]
+    resolved = resolve_benchmarks(f"{jsonl},{parquet},{csv}", "question", "solution")
     assert list(resolved) == ["tiny", "tiny2", "tiny3"]
     assert all(problems == expected for _, problems in resolved.values())
     with pytest.raises(
-        task.DataError, match="has no field 'problem' .*question, solution.*--problem-key"
+        DataError, match="has no field 'problem' .*question, solution.*--problem-key"
     ):
-        task.resolve_benchmarks(jsonl)
+        resolve_benchmarks(jsonl)
     (tmp_path / "tiny.txt").write_text("1 + 1")
-    with pytest.raises(task.DataError, match="unknown file type '.txt'"):
-        task.load_rows(str(tmp_path / "tiny.txt"))
+    with pytest.raises(DataError, match="unknown file type '.txt'"):
+        load_rows(str(tmp_path / "tiny.txt"))
 
 
 def test_hub_benchmark_offline_and_not_cached_fails_with_one_line_naming_the_fix(tmp_path):
@@ -136,27 +144,27 @@ GRADING_CASES = [
 
 @pytest.mark.parametrize("completion,answer,expected", GRADING_CASES)
 def test_grade_decides_hand_checked_cases(completion, answer, expected):
-    assert task.grade(completion, answer) is expected
+    assert grading.grade(completion, answer) is expected
 
 
 def test_extract_solution_takes_the_last_block():
-    assert task.extract_solution("<SOLUTION>1</SOLUTION> then <SOLUTION> 2 </SOLUTION>") == "2"
-    assert task.extract_solution("<SOLUTION> truncated") is None
+    assert grading.extract_solution("<SOLUTION>1</SOLUTION> then <SOLUTION> 2 </SOLUTION>") == "2"
+    assert grading.extract_solution("<SOLUTION> truncated") is None
 
 
 def test_knights_and_knaves_grader_matches_every_role():
     reference = "(1) Zoey is a knave\n(2) Oliver is a knight"
-    assert task.grade(
+    assert grading.grade(
         "<SOLUTION> (1) Zoey is a knave (2) Oliver is a knight </SOLUTION>",
         reference,
         "knights_knaves",
     )
-    assert not task.grade(
+    assert not grading.grade(
         "<SOLUTION> Zoey is a knight, Oliver is a knight </SOLUTION>", reference, "knights_knaves"
     )
-    assert not task.grade("<SOLUTION> Zoey is a knave </SOLUTION>", reference, "knights_knaves")
+    assert not grading.grade("<SOLUTION> Zoey is a knave </SOLUTION>", reference, "knights_knaves")
     # without a block, the last role stated for each person counts
-    assert task.grade(
+    assert grading.grade(
         "Suppose Zoey is a knight ... no. Zoey is a knave and Oliver is a knight.",
         reference,
         "knights_knaves",
@@ -165,7 +173,7 @@ def test_knights_and_knaves_grader_matches_every_role():
 
 @pytest.fixture(scope="module")
 def pool():
-    with task.grading_pool(num_workers=2, timeout_s=60.0) as grading_pool:
+    with grading.grading_pool(num_workers=2, timeout_s=60.0) as grading_pool:
         yield grading_pool
 
 
@@ -173,18 +181,18 @@ def test_pooled_grading_agrees_with_serial_grading_in_input_order(pool):
     completions = [c for c, _, _ in GRADING_CASES] * 3
     answers = [a for _, a, _ in GRADING_CASES] * 3
     expected = [e for _, _, e in GRADING_CASES] * 3
-    assert task.grade_batch(completions, answers, pool=pool) == expected
-    assert task.grade_batch(completions[:4], answers[:4], pool=pool) == expected[:4]
-    assert task.grade_batch([], [], pool=pool) == []
+    assert grading.grade_batch(completions, answers, pool=pool) == expected
+    assert grading.grade_batch(completions[:4], answers[:4], pool=pool) == expected[:4]
+    assert grading.grade_batch([], [], pool=pool) == []
     with pytest.raises(ValueError, match="2 completions but 1 answers"):
-        task.grade_batch(["a", "b"], ["1"], pool=pool)
+        grading.grade_batch(["a", "b"], ["1"], pool=pool)
 
 
 def test_pool_replaces_a_worker_that_died_between_calls(pool):
     pool._workers[0].process.kill()
     pool._workers[0].process.wait()
     completions, answers = [FORMAT.format(i) for i in range(20)], [str(i) for i in range(20)]
-    assert task.grade_batch(completions, answers, pool=pool) == [True] * 20
+    assert grading.grade_batch(completions, answers, pool=pool) == [True] * 20
 
 
 @pytest.mark.slow
@@ -192,17 +200,17 @@ def test_an_answer_that_hangs_the_parser_times_out_is_graded_wrong_and_counted()
     # 9^(9^9) has 370 million digits: math-verify would compute for hours.
     hanging = FORMAT.format("9^{9^{9}}")
     completions = [FORMAT.format("4"), hanging, FORMAT.format("5"), FORMAT.format("4")]
-    with task.grading_pool(num_workers=1, timeout_s=3.0) as short:
-        task.grade_batch(completions[:1], ["4"], pool=short)  # started and warm
+    with grading.grading_pool(num_workers=1, timeout_s=3.0) as short:
+        grading.grade_batch(completions[:1], ["4"], pool=short)  # started and warm
         started = time.monotonic()
-        results = task.grade_batch(completions, ["4", "4", "4", "4"], pool=short)
+        results = grading.grade_batch(completions, ["4", "4", "4", "4"], pool=short)
         elapsed = time.monotonic() - started
         assert results == [True, False, False, True]
         assert short.stats["timeouts"] == 1 and short.last_timeouts == [1]
         assert (
             elapsed < 3.0 + 30.0
         )  # the timeout plus a replacement worker's start, even under load
-        assert task.grade_batch(completions[:1], ["4"], pool=short) == [
+        assert grading.grade_batch(completions[:1], ["4"], pool=short) == [
             True
         ]  # and the pool still works
 
@@ -223,9 +231,9 @@ def test_a_plug_in_reward_is_loaded_from_a_file_and_called_with_the_batch(tmp_pa
         "    return [len(c) + len(p) + len(a) "
         "for c, p, a in zip(completions, problems, answers)]\n",
     )
-    reward = task.load_reward_function(f"{path}:length")
+    reward = grading.load_reward_function(f"{path}:length")
     assert reward(["ab", "c"], ["p", "pp"], ["1", "22"]) == [4.0, 5.0]
-    assert task.load_reward_function("") is task.math_reward
+    assert grading.load_reward_function("") is grading.math_reward
 
 
 @pytest.mark.parametrize(
@@ -244,8 +252,8 @@ def test_a_plug_in_reward_is_loaded_from_a_file_and_called_with_the_batch(tmp_pa
 )
 def test_a_bad_plug_in_reward_is_one_line_naming_the_fix(tmp_path, source, spec, message):
     path = write_module(tmp_path, source)
-    with pytest.raises(task.RewardError, match=message) as error:
-        task.load_reward_function(spec.replace("FILE", path))
+    with pytest.raises(grading.RewardError, match=message) as error:
+        grading.load_reward_function(spec.replace("FILE", path))
     assert "\n" not in str(error.value)
 
 
@@ -259,6 +267,6 @@ def test_a_bad_plug_in_reward_is_one_line_naming_the_fix(tmp_path, source, spec,
 )
 def test_a_plug_in_reward_that_returns_the_wrong_thing_is_stopped(tmp_path, body, message):
     path = write_module(tmp_path, f"def f(completions, problems, answers):\n    {body}\n")
-    reward = task.load_reward_function(f"{path}:f")
-    with pytest.raises(task.RewardError, match=message):
+    reward = grading.load_reward_function(f"{path}:f")
+    with pytest.raises(grading.RewardError, match=message):
         reward(["a", "b"], ["p", "q"], ["1", "2"])

@@ -26,8 +26,8 @@ import torch  # noqa: E402
 import bounds  # noqa: E402
 import guides  # noqa: E402
 import loss  # noqa: E402
-from machinery import task  # noqa: E402
 from machinery.fast_logprobs import chunked_token_logps_and_entropies  # noqa: E402
+from task.grading import math_reward  # noqa: E402
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -91,7 +91,7 @@ def make_trainer(
         warnings.simplefilter("ignore")
         trainer = trl_sage.SageGRPOTrainer(
             model_dir,
-            [trl_sage.trl_reward(task.math_reward)],
+            [trl_sage.trl_reward(math_reward)],
             args,
             sage=settings,
             train_dataset=dataset,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from extras import demo, two_mode
-from machinery.task import load_reward_function
+from task.grading import load_reward_function
 
 TASK = two_mode.TwoModeTask(k=2, m=8)
 

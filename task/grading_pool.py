@@ -5,7 +5,7 @@ digits) and its own timeouts rely on signals, which work only in a main thread. 
 grades 64 completions per step, or an evaluation that grades 60,000, cannot stall on one item.
 So grading runs in a pool of fresh interpreters, each item under a deadline: an item that runs
 past it has its worker killed, is graded wrong and counted, and a new worker takes the rest of
-the queue. The pool knows nothing about what it grades: ``task.py`` gives it its function.
+the queue. The pool knows nothing about what it grades: ``grading.py`` gives it its function.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class GradingPool:
     def _start_worker(self) -> _Worker:
         to_worker, from_worker = os.pipe(), os.pipe()
         code = (
-            f"import sys; sys.path.insert(0, {REPOSITORY!r}); from machinery import grading_pool; "
+            f"import sys; sys.path.insert(0, {REPOSITORY!r}); from task import grading_pool; "
             f"grading_pool._worker_main({self.target!r}, {to_worker[0]}, {from_worker[1]})"
         )
         process = subprocess.Popen(
