@@ -14,7 +14,7 @@ export VLLM_ENABLE_V1_MULTIPROCESSING ?= 0
 export TOKENIZERS_PARALLELISM ?= false
 export GOMP_SPINCOUNT ?= 100000  # OpenMP threads spin ~1 ms, then sleep (docs/history.md)
 
-.PHONY: install test test-fast test-gpu-sim demo compare toy bench clean
+.PHONY: install test test-fast test-gpu-sim demo demo-sums compare toy bench clean
 
 install: $(STAMP)
 
@@ -56,7 +56,12 @@ test-gpu-sim: $(STAMP)
 toy: $(STAMP)
 	$(PY) -m toy
 
+# What the guide does, against its exact prediction (extras/two_mode.py, about 2 minutes)
 demo: $(STAMP)
+	$(PY) -m extras.two_mode --tiny
+
+# The whole pipeline on single-digit sums: SFT, GRPO + Branch, pass@k, the guide map (extras/demo.py)
+demo-sums: $(STAMP)
 	$(PY) -m extras.demo
 
 compare: $(STAMP)

@@ -1,4 +1,4 @@
-"""The CPU demo: a tiny model, a tokenizer and a task built by code, so that ``make demo``
+"""The CPU demo: a tiny model, a tokenizer and a task built by code, so that ``make demo-sums``
 (``python -m extras.demo``) runs the paper's whole pipeline (SFT, GRPO + Branch with vLLM
 rollouts, pass@k on held-out problems) on a laptop, with nothing downloaded.
 
@@ -390,7 +390,7 @@ def sage_flags(files: dict[str, str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """make demo: the SFT start, then RL with sage.py's main, then the table and the plots. Any
+    """make demo-sums: the SFT start, then RL with sage.py's main, then the table and the plots. Any
     sage.py flag may follow (it wins over the demo's); a previous demo run of the same name is
     replaced unless --resume is given."""
     import sage

@@ -3,7 +3,7 @@ sage.py trained on it arm by arm, and each trained pi(B) held against its exact 
 
     python -m extras.two_mode --out runs/two-mode               # the study (docs/two-mode.md)
     python -m extras.two_mode --predict-only --out runs/two-mode  # the SFT starts and predictions
-    python -m extras.two_mode --tiny --out runs/two-mode-tiny    # a few minutes
+    python -m extras.two_mode --tiny    # make demo: one seed, two arms, K = 3, M = 8, 2 minutes
 
 The task, built by code as the demo's is. Every prompt asks the same thing in one of a few
 phrasings. A completion first picks a mode, then writes K digits:
@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import guides
@@ -832,6 +833,88 @@ def format_report(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def format_tiny(summary: dict) -> str:
+    """The demo's report: each arm's log pi(B) at the start, predicted (the fixed point as the
+    trainer reaches it, as the margin rule reads it) and trained (the last probe); then the
+    guide's lift, predicted and trained, and whether they agree within the study's margin."""
+    settings, rows = summary["settings"], summary["margin_verdict"]
+    lines = [
+        f"two-mode task, K = {settings['k']}, M = {settings['m']}, seed {settings['first_seed']}, "
+        f"{settings['steps']} steps per arm: log pi(B) (pi(B))",
+        f"{'arm':20}{'start':>16}{'predicted':>16}{'trained':>16}",
+    ]
+
+    def cell(log_p: float | None) -> str:
+        return "outside min-p" if log_p is None else f"{log_p:+.2f} ({math.exp(log_p):.1%})"
+
+    for arm, row in rows.items():
+        (values,) = row["per_seed"].values()
+        (start,) = (seed["start"] for seed in summary["arms"][arm]["per_seed"].values())
+        lines.append(
+            f"{arm:20}{cell(start):>16}{cell(values['predicted']):>16}{cell(values['trained']):>16}"
+        )
+    for arm, unguided in UNGUIDED.items():
+        if arm not in rows or unguided not in rows:
+            continue
+        (guided,), (plain,) = rows[arm]["per_seed"].values(), rows[unguided]["per_seed"].values()
+        predicted = guided["predicted"] - plain["predicted"]
+        if guided["trained"] is None or plain["trained"] is None:
+            lines.append(f"{arm}: B fell below min-p's threshold in an arm; no lift to compare")
+            continue
+        trained = guided["trained"] - plain["trained"]
+        agrees = abs(trained - predicted) < MARGINS["lift"]
+        lines.append(
+            f"Eq. 4 predicts that the branch guide ({arm}) lifts log pi(B) by {predicted:+.2f} "
+            f"nats over {unguided}; the run lifts it by {trained:+.2f}: "
+            + (
+                f"it agrees, within the study's margin of {MARGINS['lift']:.2f} nats."
+                if agrees
+                else f"it does not agree within the study's margin of {MARGINS['lift']:.2f} "
+                "nats (one seed is a noisy measure; docs/two-mode.md has the study)."
+            )
+        )
+    return "\n".join(lines)
+
+
+def plot_arms(summary: dict, out: str) -> None:
+    """One seed's arms in one panel: pi(B | x) against the step (the full softmax's, finite where
+    min-p cuts B), each arm's predicted fixed point dashed in its colour."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axis = plt.subplots(figsize=(5.6, 3.6))
+    for colour, (arm, row) in enumerate(summary["margin_verdict"].items()):
+        ((seed, values),) = row["per_seed"].items()
+        points = summary["trajectories"][arm][seed]
+        steps = [point["step"] for point in points]
+        values_b = [math.exp(point["log_pi_b_full"]) for point in points]
+        label = " ".join(ARMS[arm]["flags"])  # the arm as sage.py's flags
+        axis.plot(steps, values_b, color=f"C{colour}", linewidth=1.4, label=label)
+        axis.axhline(math.exp(values["predicted"]), color=f"C{colour}", linestyle="--")
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("pi(B | x)  (dashed: predicted)")
+    axis.legend(fontsize=8)
+    settings = summary["settings"]
+    axis.set_title(
+        f"two-mode task, K = {settings['k']}, M = {settings['m']}: the branch guide lifts pi(B)",
+        fontsize=10,
+    )
+    save_figure(fig, out)
+
+
+def save_figure(fig, out: str) -> None:
+    """Write ``fig`` to ``out`` atomically (a killed run leaves no half-written PNG)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    temporary = out + ".tmp.png"
+    fig.savefig(temporary, dpi=110)
+    plt.close(fig)
+    os.replace(temporary, out)
+
+
 def plot(summary: dict, out: str) -> None:
     """One panel per arm: pi(B | x) against the step for each seed (the exp of the mean over
     phrasings of log pi_T(B | x), the full softmax's, finite where min-p cuts B) and, dashed in
@@ -861,14 +944,27 @@ def plot(summary: dict, out: str) -> None:
         f"{seconds / 60:.0f} min)",
         fontsize=10,
     )
-    fig.tight_layout()
-    temporary = out + ".tmp.png"
-    fig.savefig(temporary, dpi=110)
-    plt.close(fig)
-    os.replace(temporary, out)
+    save_figure(fig, out)
 
 
 # ---- 5. The command line ----------------------------------------------------------------------
+
+
+# The tiny version, `make demo`: the study's beta and task of K = 3, M = 8 (the arms plateau within
+# about 60 steps there), a smaller SFT start, and one seed that no study uses.
+TINY = {
+    "out": "runs/two-mode-demo",
+    "seeds": 1,
+    "first_seed": 8,
+    "steps": 100,
+    "eval_every": 10,
+    "beta": 0.5,
+    "k": 3,
+    "m": 8,
+    "sft_examples": 1200,
+    "arms": "k1_return,k1_return_branch",
+    "jobs": 2,
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -896,10 +992,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--tiny",
         action="store_true",
-        help="2 seeds, 60 steps, the two k1_return arms (the reproduced claim): a few minutes",
+        help=(
+            "make demo: one seed, 100 steps of the k1_return arm with and without the branch "
+            "guide, a short table and the figure, in runs/two-mode-demo (about 2 minutes)"
+        ),
     )
     if parser.parse_known_args(argv)[0].tiny:  # smaller defaults; flags given still win
-        parser.set_defaults(seeds=2, steps=60, eval_every=30, arms="k1_return,k1_return_branch_ref")
+        parser.set_defaults(**TINY)
     args = parser.parse_args(argv)
     args.arms = [arm.strip() for arm in args.arms.split(",") if arm.strip()]
     unknown = [arm for arm in args.arms if arm not in ARMS]
@@ -924,6 +1023,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     started = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
+    transformers.utils.logging.disable_progress_bar()  # loading and saving the starts: no bars
     per_seed = {}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         per_seed[seed] = run_seed(seed, args)
@@ -941,8 +1041,13 @@ def main(argv: list[str] | None = None) -> dict:
     }
     with atomic_output(os.path.join(args.out, "steps.json.gz"), mode="wb") as handle:
         handle.write(gzip.compress(json.dumps(steps).encode()))
-    plot(summary, os.path.join(args.out, "pi_b.png"))
-    print(format_report(summary))
+    figure = os.path.join(args.out, "pi_b.png")
+    if args.seeds == 1:
+        plot_arms(summary, figure)
+        print(format_tiny(summary), f"figure: {figure}", sep="\n")
+    else:
+        plot(summary, figure)
+        print(format_report(summary))
     return summary
 
 

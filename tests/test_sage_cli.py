@@ -370,7 +370,7 @@ def test_a_plug_in_reward_is_the_one_trained_on(tmp_path):
 
 @pytest.mark.slow
 def test_the_demo_runs_again_when_run_again(tmp_path):
-    """make demo twice: the second replaces the first run and says so in one line."""
+    """make demo-sums twice: the second replaces the first run and says so in one line."""
     argv = [*TINY, "--steps", "1", "--eval-every", "0", "--backend", "hf", "--name", "demo"]
     first = run_demo(argv, tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
