@@ -3,7 +3,7 @@ sage.py trained on it arm by arm, and each trained pi(B) held against its exact 
 
     python -m extras.two_mode --out runs/two-mode               # the study (docs/two-mode.md)
     python -m extras.two_mode --predict-only --out runs/two-mode  # the SFT starts and predictions
-    python -m extras.two_mode --tiny    # make demo: one seed, two arms, K = 3, M = 8, 2 minutes
+    python -m extras.two_mode --tiny    # make demo: one seed, four arms, K = 3, M = 8, 2 minutes
 
 The task, built by code as the demo's is. Every prompt asks the same thing in one of a few
 phrasings. A completion first picks a mode, then writes K digits:
@@ -853,6 +853,10 @@ def format_tiny(summary: dict) -> str:
         lines.append(
             f"{arm:20}{cell(start):>16}{cell(values['predicted']):>16}{cell(values['trained']):>16}"
         )
+    theory = {
+        "k1_return": "With k1 in the return the fixed point is Eq. 4's",
+        "k3": "Under k3, the paper's estimator, q cancels from each position's own choice",
+    }
     for arm, unguided in UNGUIDED.items():
         if arm not in rows or unguided not in rows:
             continue
@@ -862,16 +866,12 @@ def format_tiny(summary: dict) -> str:
             lines.append(f"{arm}: B fell below min-p's threshold in an arm; no lift to compare")
             continue
         trained = guided["trained"] - plain["trained"]
-        agrees = abs(trained - predicted) < MARGINS["lift"]
+        margin = MARGINS["k3_lift" if unguided == "k3" else "lift"]
+        verdict = "agrees" if abs(trained - predicted) < margin else "does not agree"
         lines.append(
-            f"Eq. 4 predicts that the branch guide ({arm}) lifts log pi(B) by {predicted:+.2f} "
-            f"nats over {unguided}; the run lifts it by {trained:+.2f}: "
-            + (
-                f"it agrees, within the study's margin of {MARGINS['lift']:.2f} nats."
-                if agrees
-                else f"it does not agree within the study's margin of {MARGINS['lift']:.2f} "
-                "nats (one seed is a noisy measure; docs/two-mode.md has the study)."
-            )
+            f"{theory[unguided]}: the branch guide's lift over {unguided} is {predicted:+.2f} "
+            f"nats predicted, {trained:+.2f} trained; the run {verdict} within the study's "
+            f"margin ({margin:.2f} nats)."
         )
     return "\n".join(lines)
 
@@ -898,7 +898,7 @@ def plot_arms(summary: dict, out: str) -> None:
     axis.legend(fontsize=8)
     settings = summary["settings"]
     axis.set_title(
-        f"two-mode task, K = {settings['k']}, M = {settings['m']}: the branch guide lifts pi(B)",
+        f"two-mode task, K = {settings['k']}, M = {settings['m']}: pi(B) per arm",
         fontsize=10,
     )
     save_figure(fig, out)
@@ -962,7 +962,7 @@ TINY = {
     "k": 3,
     "m": 8,
     "sft_examples": 1200,
-    "arms": "k1_return,k1_return_branch",
+    "arms": "k1_return,k1_return_branch,k3,k3_branch",
     "jobs": 2,
 }
 
@@ -993,8 +993,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tiny",
         action="store_true",
         help=(
-            "make demo: one seed, 100 steps of the k1_return arm with and without the branch "
-            "guide, a short table and the figure, in runs/two-mode-demo (about 2 minutes)"
+            "make demo: one seed, 100 steps of k1_return and of k3, each with and without the "
+            "branch guide, a short table and the figure, in runs/two-mode-demo (2 minutes)"
         ),
     )
     if parser.parse_known_args(argv)[0].tiny:  # smaller defaults; flags given still win

@@ -126,9 +126,10 @@ def test_the_task_tree_is_the_tokenizers_own():
 @pytest.mark.slow
 def test_make_demo_lifts_pi_b_toward_the_prediction_and_says_so_in_a_few_lines(tmp_path):
     """``make demo`` (python -m extras.two_mode --tiny) as a user runs it: one seed, sage.py's
-    k1_return arm with and without the branch guide. The guided arm ends above the unguided one,
-    near the exact prediction (+0.77 nats for this start; +0.84 trained on the CPU this was
-    written on: the bounds leave room for another CPU's rounding); the report is a few lines and
+    k1_return and k3 arms, each with and without the branch guide. Under k1_return the guided arm
+    ends above the unguided one, near the exact prediction (+0.77 nats for this start; +0.84
+    trained on the CPU this was written on: the bounds leave room for another CPU's rounding);
+    under k3 the guide's lift stays near its prediction of about 0. The report is a few lines and
     the figure is written; run again, it keeps the finished arms and prints the same table."""
     out = tmp_path / "demo"
     command = [sys.executable, "-m", "extras.two_mode", "--tiny", "--out", str(out)]
@@ -149,6 +150,11 @@ def test_make_demo_lifts_pi_b_toward_the_prediction_and_says_so_in_a_few_lines(t
     trained = guided["trained"] - plain["trained"]
     assert 0.5 < predicted < 1.2  # Eq. 4 on this start: about K log q
     assert 0.2 < trained < predicted + 0.5
+    (guided,) = summary["margin_verdict"]["k3_branch"]["per_seed"].values()
+    (plain,) = summary["margin_verdict"]["k3"]["per_seed"].values()
+    predicted = guided["predicted"] - plain["predicted"]
+    trained = guided["trained"] - plain["trained"]
+    assert abs(predicted) < 0.1 and abs(trained - predicted) < 0.2  # k3: q cancels at a node
     assert (out / "pi_b.png").stat().st_size > 0
     assert demo()[1:] == printed[1:]  # the seed's line says how long it took
     # the evidence a reader re-checks: each arm's per-step metrics, the start's hash, and its
