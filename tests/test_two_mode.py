@@ -166,6 +166,8 @@ def test_make_demo_lifts_pi_b_toward_the_prediction_and_says_so_in_a_few_lines(t
         assert len(columns["grad_norm"]) == len(columns["step"]) == summary["settings"]["steps"]
         assert {"kl/ref_k3", "q/mean"} <= columns.keys()
     assert any(value != 1.0 for value in steps["k1_return_branch"][seed]["q/mean"])
+    # Eq. 11's clamp at q_max = 1.4 is reached on this task, and never passed
+    assert max(steps["k1_return_branch"][seed]["q/max"]) == pytest.approx(1.4)
     seed_dir = out / f"seed-{seed}"
     prediction = json.loads((seed_dir / "prediction.json").read_text())
     assert prediction["start_sha256"] == two_mode.weights_sha256(str(seed_dir / "sft_model"))
