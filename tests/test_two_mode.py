@@ -43,7 +43,7 @@ def test_the_sft_data_is_drawn_from_the_task():
     "argv, message",
     [
         (["--k", "9"], "K must be in [1, 6]"),
-        (["--arms", "k2"], "unknown --arms k2"),
+        (["--arms", "k4"], "unknown --arms k4"),
         (["--beta", "0"], "--beta and --lr must be > 0"),
         (["--seeds", "0"], "--seeds must be >= 1"),
     ],
@@ -106,6 +106,7 @@ def test_the_prediction_is_eq4s_closed_form_on_the_ideal_task():
     assert predicted["k1_return_branch_ref"] == pytest.approx(eq4(q), abs=1e-6)
     assert predicted["k1_return_branch"] == pytest.approx(eq4(q), abs=1e-6)  # B's stay spread
     assert predicted["k3_branch"] == pytest.approx(predicted["k3"], abs=1e-9)  # q cancels
+    assert predicted["k2_branch"] == pytest.approx(predicted["k2"], abs=1e-12)  # Eq. 4 per node
     # nothing off the task: the sampler's fixed point is Eq. 4's too (A's 1 leaves min-p's
     # support at its threshold, which lowers A's value by K log(1 - 0.01) at most)
     for arm, q_at_b in (("k1_return", 1.0), ("k1_return_branch_ref", q), ("k1_return_branch", q)):
