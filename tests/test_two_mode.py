@@ -143,7 +143,9 @@ def test_make_demo_lifts_pi_b_toward_the_prediction_and_says_so_in_a_few_lines(t
         return done.stdout.decode().splitlines()
 
     printed = demo()
-    assert len(printed) < 40 and any(line.startswith("Eq. 4 predicts") for line in printed)
+    assert len(printed) < 40
+    assert any("the branch guide's lift over k1_return is" in line for line in printed)
+    assert any("the branch guide's lift over k3 is" in line for line in printed)
     summary = json.loads((out / "summary.json").read_text())
     (guided,) = summary["margin_verdict"]["k1_return_branch"]["per_seed"].values()
     (plain,) = summary["margin_verdict"]["k1_return"]["per_seed"].values()
