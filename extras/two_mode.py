@@ -743,6 +743,11 @@ MARGINS = {"lift": 0.20, "k3_lift": 0.08, "level": 0.54}  # "k3_lift": every PER
 PLATEAU_NATS = 0.05  # log pi(B), and the reward's block means, over the last 20% of the steps
 
 
+def lift_margin(unguided: str) -> float:
+    """The margin of a lift over ``unguided``: the equivalence margin for a per-token penalty."""
+    return MARGINS["k3_lift" if unguided in PER_TOKEN else "lift"]
+
+
 def logit(log_p: float) -> float:
     """log p - log (1 - p): a level in log-odds (the sampler's root keeps A and B only).
 
@@ -814,8 +819,7 @@ def margin_verdict(per_seed: dict[int, dict], arms: list[str], steps: int) -> di
                 for g, u in pairs
             ]
             row[f"lift_error{scale}"] = sum(lifts) / len(lifts)
-        margin = MARGINS["k3_lift" if unguided in PER_TOKEN else "lift"]
-        passes = abs(row["lift_error"]) < margin
+        passes = abs(row["lift_error"]) < lift_margin(unguided)
         row["lift"] = f"{'passes' if passes else 'fails'} ({row['lift_error']:+.3f} nats)"
     return rows
 
@@ -877,12 +881,11 @@ def format_tiny(summary: dict) -> str:
             lines.append(f"{arm}: B fell below min-p's threshold in an arm; no lift to compare")
             continue
         trained = guided["trained"] - plain["trained"]
-        margin = MARGINS["k3_lift" if unguided in PER_TOKEN else "lift"]
-        verdict = "agrees" if abs(trained - predicted) < margin else "does not agree"
+        verdict = "agrees" if rows[arm]["lift"].startswith("passes") else "does not agree"
         lines.append(
             f"{theory[unguided]}: the branch guide's lift over {unguided} is {predicted:+.2f} "
             f"nats predicted, {trained:+.2f} trained; the run {verdict} within the study's "
-            f"margin ({margin:.2f} nats)."
+            f"margin ({lift_margin(unguided):.2f} nats)."
         )
     return "\n".join(lines)
 
