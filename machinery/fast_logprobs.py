@@ -104,8 +104,9 @@ class _TokenLogProbs(torch.autograd.Function):
                 e.masked_fill_(e < min_p, 0.0).scatter_(-1, token_ids[rows, None], token_e)
             total = e.sum(dim=-1)  # [n], over the kept set
             # Entropy of that distribution (Eq. 12): H = log sum e - sum(e (z - max)) / sum e;
-            # a dropped token has e = 0 and adds nothing.
-            entropies[rows] = total.log() - shifted.mul_(e).sum(dim=-1) / total
+            # a dropped token has e = 0 and adds nothing, a -inf logit (a masked vocabulary)
+            # neither: its 0 * -inf = NaN is that 0.
+            entropies[rows] = total.log() - shifted.mul_(e).nan_to_num_(nan=0.0).sum(-1) / total
             lse = row_max.view(-1) + total.log()
             kept_logsumexp[rows] = lse
             row_maxima[rows] = row_max.view(-1)
@@ -150,42 +151,6 @@ class _TokenLogProbs(torch.autograd.Function):
         return grad_logits, None, None, None, None, None
 
 
-def _checked_entropies(
-    logits: torch.Tensor,
-    token_ids: torch.Tensor,
-    entropies: torch.Tensor,
-    temperature: float,
-    min_p: float,
-    chunk_rows: int,
-) -> torch.Tensor:
-    """Raise on NaN / inf logits; recompute the rows where -inf logits (a masked vocabulary)
-    gave NaN.
-
-    The chunked loop sums pi_v * (z_v - max z), which is 0 * -inf = NaN where z_v = -inf. Every
-    non-finite entropy is caught by one check over the [N] result (one sync, no [N, V] work);
-    only those rows are recomputed, and a row whose logsumexp is not finite is bad input.
-    """
-    bad = ~torch.isfinite(entropies)  # [N]
-    if not bad.any():
-        return entropies
-    entropies = entropies.clone()
-    for index in bad.nonzero().squeeze(-1).split(chunk_rows):
-        z = logits.detach()[index].to(work_dtype(logits)) / temperature  # [n, V]
-        if not torch.isfinite(torch.logsumexp(z, dim=-1)).all():
-            raise ValueError(
-                "logits have NaN or inf (or are all -inf) in some rows: a diverged model or an "
-                "overflowing dtype; check the forward pass that produced them"
-            )
-        if min_p > 0.0:  # the same kept set as the chunked loop's
-            kept = z - z.amax(dim=-1, keepdim=True) >= math.log(min_p)
-            kept.scatter_(-1, token_ids[index, None], True)
-            z = z.masked_fill(~kept, float("-inf"))
-        lse = torch.logsumexp(z, dim=-1)
-        probs = torch.exp(z - lse[:, None])
-        entropies[index] = lse - torch.where(probs > 0, probs * z, 0.0).sum(dim=-1)
-    return entropies
-
-
 def chunked_token_logps_and_entropies(
     logits: torch.Tensor,
     token_ids: torch.Tensor,
@@ -203,13 +168,11 @@ def chunked_token_logps_and_entropies(
         min_p: the sampler's min-p; > 0 replays its mask so the log-probs are those of the
             truncated, renormalized behaviour policy. The sampled token always
             counts as kept, so its log-prob is finite even at the threshold.
-        chunk_rows: rows per chunk (default ``default_chunk_rows``: 8 MiB of float32 work space
-            per buffer on CPU, 64 MiB on a GPU).
-        inplace_backward: write the gradient of ``logits`` into their own storage during the
-            backward (as Liger-Kernel's fused cross-entropy does), so the path adds no
-            [..., V] tensor at all. The logits then hold their gradient after ``backward()``: pass
-            ``logits.clone()`` or set False if you read them afterwards. Non-contiguous logits are
-            copied once by the reshape (slice the hidden states, not the logits, to avoid it).
+        chunk_rows: rows per chunk (default ``default_chunk_rows``).
+        inplace_backward: write the gradient of ``logits`` into their own storage, which then
+            holds it after ``backward()``: pass ``logits.clone()`` or set False if you read them
+            afterwards. Non-contiguous logits are copied once by the reshape (slice the hidden
+            states, not the logits, to avoid it).
 
     Returns:
         logps: [...] float32 (float64 for float64 logits), differentiable w.r.t. ``logits``.
@@ -243,14 +206,11 @@ def chunked_token_logps_and_entropies(
     logps, entropies = _TokenLogProbs.apply(
         flat_logits, flat_ids, temperature, min_p, chunk_rows, inplace_backward
     )
-    entropies = _checked_entropies(
-        flat_logits,
-        flat_ids,
-        entropies=entropies,
-        temperature=temperature,
-        min_p=min_p,
-        chunk_rows=chunk_rows,
-    )
+    if not torch.isfinite(entropies).all():  # NaN or inf logits give NaN: one [N] check
+        raise ValueError(
+            "logits have NaN or inf (or are all -inf) in some rows: a diverged model or an "
+            "overflowing dtype; check the forward pass that produced them"
+        )
     return logps.view(token_ids.shape), entropies.view(token_ids.shape)
 
 
