@@ -55,14 +55,16 @@ class GuideConfig:
     ratio: float = field(default=0.3, metadata={"range": ">= 0"})
     """Branch guide: slope of q_t in the entropy excess H_t - tau (paper: 0.3)."""
     # random (Eq. 9)
-    random_eps: tuple[float, float] = (0.1, 0.0)
-    """Random: probability that a token is perturbed, (upper, lower) of its cosine schedule."""
-    random_sigma: tuple[float, float] = (0.15, 0.05)
+    random_eps: tuple[float, float] = field(default=(0.1, 0.0), metadata={"range": "in [0, 1]"})
+    """Random: probability that a token is perturbed, (upper, lower) of its cosine schedule
+    (equal bounds and --guide-cycle-decay 1: a constant)."""
+    random_sigma: tuple[float, float] = field(default=(0.15, 0.05), metadata={"range": ">= 0"})
     """Random: noise scale, (upper, lower) of its cosine schedule."""
     # token (Eq. 10)
-    token_alpha: tuple[float, float] = (0.3, 0.1)
-    """Token: weight of the normalized surprisal, (upper, lower) of its cosine schedule."""
-    token_sigma: tuple[float, float] = (0.25, 0.1)
+    token_alpha: tuple[float, float] = field(default=(0.3, 0.1), metadata={"range": ">= 0"})
+    """Token: weight of the normalized surprisal, (upper, lower) of its cosine schedule (equal
+    bounds and --guide-cycle-decay 1: a constant)."""
+    token_sigma: tuple[float, float] = field(default=(0.25, 0.1), metadata={"range": ">= 0"})
     """Token: noise scale on the normalized surprisal, (upper, lower) of its cosine schedule."""
     token_normalization: str = "percentile"
     """Token: how surprisal becomes w_t in [0,1] per completion: percentile | rank | sigmoid."""
@@ -70,10 +72,13 @@ class GuideConfig:
     """Whose signals feed the guide: policy (the paper's) | reference (pi_ref's, from the
     reference pass at no extra cost: Theorem 4.3's q, fixed during the run)."""
     # schedule
-    num_cycles: int = field(default=8, metadata={"flag": None})
+    num_cycles: int = field(default=8, metadata={"flag": "guide-cycles", "range": ">= 1"})
     """Cosine schedule: the run's optimizer steps are cut into this many cycles."""
-    cycle_decay: float = field(default=0.9, metadata={"flag": None})
-    """Cosine schedule: the upper bound is multiplied by this at each new cycle."""
+    cycle_decay: float = field(
+        default=0.9, metadata={"flag": "guide-cycle-decay", "range": "in (0, 1]"}
+    )
+    """Cosine schedule: the upper bound is multiplied by this at each new cycle (1 with equal
+    bounds: a constant)."""
 
     def __post_init__(self):
         if self.name not in GUIDES:
@@ -89,8 +94,6 @@ class GuideConfig:
             raise ValueError(
                 f"unknown --guide-entropy {self.entropy!r}: choose policy or reference"
             )
-        if self.num_cycles < 1:
-            raise ValueError(f"num_cycles must be >= 1, got {self.num_cycles}")
 
 
 # --------------------------------------------------------------------------------------------

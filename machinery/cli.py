@@ -57,8 +57,9 @@ def flag_of(item: dataclasses.Field) -> str | None:
 
 
 def _add_flags(parser, cls, nested: bool) -> None:
-    """A flag per str, int, float or bool field of ``cls`` (``float | None`` too), the fields of a
-    nested dataclass in a group of their own; other types (a schedule's bounds, a dict): no flag."""
+    """A flag per str, int, float or bool field of ``cls`` (``float | None`` too), and per pair of
+    floats (a schedule's bounds: ``--token-alpha 0.3 0.1``); the fields of a nested dataclass in
+    a group of their own; other types (a dict): no flag."""
     docs, hints = field_docs(cls), typing.get_type_hints(cls)
     group = parser.add_argument_group(inspect.getdoc(cls).splitlines()[0]) if nested else parser
     for item in dataclasses.fields(cls):
@@ -79,6 +80,9 @@ def _add_flags(parser, cls, nested: bool) -> None:
             group.add_argument(
                 "--" + flag, required=required, choices=choices, help=help_text, **typed
             )
+        elif typing.get_origin(kind) is tuple and flag:  # (upper, lower)
+            pair = {"nargs": 2, "type": float, "metavar": ("UPPER", "LOWER")}
+            group.add_argument("--" + flag, help=help_text, **pair)
 
 
 def _build(cls, given: dict):
@@ -90,7 +94,8 @@ def _build(cls, given: dict):
         if dataclasses.is_dataclass(hints[item.name]):
             values[item.name] = _build(hints[item.name], given)
         elif name in given:
-            values[item.name] = given[name]
+            value = given[name]
+            values[item.name] = tuple(value) if isinstance(value, list) else value
     instance = cls(**values)
     if (problem := out_of_range(instance)) is not None:
         raise ValueError(problem)
@@ -157,9 +162,13 @@ def out_of_range(instance, rules: dict[str, str] | None = None) -> str | None:
     for item in dataclasses.fields(instance):
         flag, value = flag_of(item), getattr(instance, item.name)
         rule = item.metadata.get("range") or (rules or {}).get(flag)
-        if rule is not None and value is not None:
-            if not math.isfinite(value) or not in_range(value, rule):
-                return f"--{flag} {value}: must be a finite number {rule}"
+        if rule is None or value is None:
+            continue
+        if isinstance(value, tuple):  # a schedule's bounds: each in the range
+            if not all(math.isfinite(v) and in_range(v, rule) for v in value):
+                return f"--{flag} {' '.join(map(str, value))}: each must be a finite number {rule}"
+        elif not math.isfinite(value) or not in_range(value, rule):
+            return f"--{flag} {value}: must be a finite number {rule}"
     return None
 
 

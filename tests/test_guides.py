@@ -64,6 +64,26 @@ def test_cosine_schedule_rejects_an_empty_run():
         cosine_schedule(0, 0, 0.3, 0.1)
 
 
+def test_the_schedule_flags_set_the_bounds_and_can_hold_a_guide_constant():
+    """--token-alpha UPPER LOWER (a pair, as the field is) and --guide-cycles / --guide-cycle-decay
+    shape the schedule; equal bounds with decay 1 hold alpha and sigma at one value every step."""
+    import sage
+
+    flags = ["--model", "m", "--guide", "token", "--token-alpha", "0.3", "0.3"]
+    held = sage.parse_config([*flags, "--token-sigma", "0.25", "0.25", "--guide-cycle-decay", "1"])
+    assert held.guide.token_alpha == (0.3, 0.3) and held.guide.cycle_decay == 1.0
+    values = {
+        tuple(guides.scheduled_values(held.guide, step, 1200).values()) for step in range(1200)
+    }
+    assert values == {(0.3, 0.25)}
+    decaying = sage.parse_config(flags).guide  # decay 0.9: the upper bound falls each cycle
+    assert guides.scheduled_values(decaying, 150, 1200)["alpha"] == pytest.approx(0.27)
+    one_cycle = sage.parse_config(["--model", "m", "--guide", "token", "--guide-cycles", "1"])
+    assert guides.scheduled_values(one_cycle.guide, 150, 1200)["alpha"] == pytest.approx(
+        0.1 + 0.2 * 0.5 * (1 + math.cos(math.pi * 150 / 1200))
+    )
+
+
 def test_scheduled_values_of_each_guide():
     assert guides.scheduled_values(GuideConfig("random"), 0, 80) == pytest.approx(
         {"eps": 0.1, "sigma": 0.15}
@@ -302,7 +322,9 @@ def test_defaults_are_the_papers():
         (dict(name="branch", q_max=0.9), "--q-max 0.9: must be a finite number >= 1"),
         (dict(name="branch", q_min=0.0), r"--q-min 0.0: must be a finite number in \(0, 1\]"),
         (dict(name="token", token_normalization="zscore"), "normalization"),
-        (dict(name="random", num_cycles=0), "num_cycles"),
+        (dict(name="random", num_cycles=0), "--guide-cycles 0: must be a finite number >= 1"),
+        (dict(name="token", token_alpha=(0.3, -0.1)), "--token-alpha 0.3 -0.1: each must be"),
+        (dict(name="random", random_eps=(1.5, 0.0)), r"--random-eps 1.5 0.0: each .* in \[0, 1\]"),
     ],
 )
 def test_bad_config_raises_value_error(kwargs, message):

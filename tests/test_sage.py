@@ -157,9 +157,11 @@ def test_every_field_and_every_flag_has_a_docstring(capsys):
         "--self-hints",
         "--eval-every",
         "--eval-top-p",
+        "--random-eps UPPER LOWER",  # a schedule's (upper, lower) bounds: one flag, two values
+        "--guide-cycle-decay",
     ):
         assert flag in help_text, flag
-    assert "--random-eps" not in help_text  # a schedule's (upper, lower) bounds are no flag
+    assert "--extras" not in help_text  # a dict: no flag
 
 
 def test_model_runs_default_to_settings_that_fit_one_gpu_and_help_says_so(capsys):
