@@ -241,6 +241,8 @@ def node_distributions(model, prompt_ids: list[int], task_tree: TaskTree, batch_
     return theta, entropies, off_task
 
 
+TOKEN_ALPHA, TOKEN_SIGMA = 0.3, 0.25  # the token arm's guide, held (its schedule's upper bounds)
+
 # The arms: sage.py's flags, and how toy.backward predicts each one's fixed point. Every arm uses
 # RLOO's advantage (an unbiased baseline: the toy's node conditions hold with beta as given; GRPO's
 # std would rescale the reward against the penalty, docs/estimators.md).
@@ -273,6 +275,23 @@ ARMS = {
         "estimator": "k3",
         "guide": "policy",
     },
+    # the token guide (Eq. 10) held at its schedule's upper bounds, so that it has a fixed point
+    "k1_return_token": {
+        "flags": [
+            *["--kl-estimator", "k1_return", "--guide", "token", "--guide-cycle-decay", "1"],
+            *["--token-alpha", str(TOKEN_ALPHA), str(TOKEN_ALPHA)],
+            *["--token-sigma", str(TOKEN_SIGMA), str(TOKEN_SIGMA)],
+        ],
+        "estimator": "k1_return",
+        "guide": "token",
+    },
+    # the random guide (Eq. 9) on the paper's schedule: q is drawn apart from the token, so its
+    # mean log q is one constant at every position, and every completion on the task has K + 2
+    "k1_return_random": {
+        "flags": ["--kl-estimator", "k1_return", "--guide", "random"],
+        "estimator": "k1_return",
+        "guide": "random",
+    },
     "k2": {"flags": ["--kl-estimator", "k2", "--guide", "none"], "estimator": "k2", "guide": None},
     "k2_branch": {
         "flags": ["--kl-estimator", "k2", "--guide", "branch"],
@@ -287,6 +306,8 @@ PER_TOKEN = ("k3", "k2")
 UNGUIDED = {
     "k1_return_branch_ref": "k1_return",
     "k1_return_branch": "k1_return",
+    "k1_return_token": "k1_return",
+    "k1_return_random": "k1_return",
     "k3_branch": "k3",
     "k2_branch": "k2",
 }
@@ -333,7 +354,10 @@ def predict_arms(
     q held at pi_ref's entropies (Eq. 11 on the entropies the trainer reads):
     ``backward.fixed_point`` with that q; q from the policy's own entropies:
     ``backward.self_consistent_fixed_point`` (the tree's entropies, OTHER as one token). OTHER is
-    a reward-0 child there, which the fixed point all but empties.
+    a reward-0 child there, which the fixed point all but empties. The token guide's q is one
+    number per completion, read from the policy's own surprisals (``token_fixed_point``); the
+    random guide's is drawn apart from the tokens, so its mean adds the same constant to every
+    return on the task (K + 2 tokens each) and its fixed point is the unguided arm's.
 
     With ``off_task`` [N, 3] (``node_distributions``'), each k1_return arm is also predicted
     as the trainer reaches it ("<arm>/sampler"): min-p never samples the tail, so nothing pushes
@@ -354,7 +378,9 @@ def predict_arms(
             theta, _ = backward.self_consistent_fixed_point(
                 tree, ref_theta, rewards, estimator=spec["estimator"], beta=beta, config=branch
             )
-        else:
+        elif spec["guide"] == "token":
+            theta, _ = token_fixed_point(task_tree, ref_theta, beta=beta)
+        else:  # none, reference, or random: its mean log q adds one constant to every return
             log_q = torch.zeros(tree.num_params, dtype=torch.float64)
             if spec["guide"] == "reference":
                 log_q = ref_log_q
@@ -369,12 +395,36 @@ def predict_arms(
                 *(tree, ref_theta, rewards, "k1_return", beta, branch),
                 **{"tail": tail, "min_p": MIN_P, "inside": inside},
             )
+        elif spec["guide"] == "token":
+            theta, _ = token_fixed_point(task_tree, ref_theta, beta=beta, tail=tail)
         else:
             theta, _ = backward.sampler_fixed_point(
                 tree, ref_theta, rewards, log_q, beta=beta, tail=tail, min_p=MIN_P
             )
         predicted[f"{arm}/sampler"] = task_tree.log_pi_b(theta)
     return predicted
+
+
+def token_fixed_point(
+    task_tree: TaskTree, ref_theta: torch.Tensor, beta: float, tail: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token arm's fixed point (``backward.token_guide_fixed_point``, alpha and sigma held at
+    TOKEN_ALPHA and TOKEN_SIGMA): w_t normalized over the tokens the trainer sees, a PAD node
+    (the tree's filler after OTHER) not among them. Returns (theta [P], log q(y) [B])."""
+    tree = task_tree.tree
+    pads = torch.tensor([[token == PAD for token in y] for y in tree.completions])  # one length
+    return backward.token_guide_fixed_point(
+        tree,
+        ref_theta,
+        task_tree.rewards,
+        beta=beta,
+        config=guides.GuideConfig(name="token"),
+        alpha=TOKEN_ALPHA,
+        sigma=TOKEN_SIGMA,
+        token_mask=tree.completion_mask.masked_fill(pads, 0.0),
+        tail=tail,
+        min_p=MIN_P,
+    )
 
 
 def weights_sha256(model_dir: str) -> str:

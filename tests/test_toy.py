@@ -300,3 +300,57 @@ def test_the_sampler_fixed_point_is_stationary_for_the_trainer_and_its_tail_is_f
     assert (
         abs(lumped.param_log_probs(lumped_theta)[b] - log_probs[tree.children[0].index(1)]) < 1e-12
     )
+
+
+@pytest.mark.parametrize("sigma", [0.0, 0.25])
+def test_the_token_guide_fixed_point_is_stationary_with_q_read_from_its_own_surprisals(sigma):
+    """backward.token_guide_fixed_point on the two-mode tree (K = 2, M = 4, a random pi_ref): q
+    recomputed there by the trainer's own pieces (guides.token_guide's w, averaged over its noise
+    by sampling) equals the solver's q(y) to Monte Carlo's error; the return shaped with it, r +
+    beta log q - beta log pi / pi_ref, is one constant over the completions (Eq. 4, so the
+    k1_return gradient vanishes); with alpha = sigma = 0 it is the unguided fixed point, which the
+    guide moves."""
+    import guides
+    from extras import demo, two_mode
+    from toy import backward
+
+    task_tree = two_mode.TaskTree(two_mode.TwoModeTask(k=2, m=4), demo.build_tiny_tokenizer())
+    tree, rewards, beta = task_tree.tree, task_tree.rewards, 0.5
+    ref = torch.randn(
+        tree.num_params, generator=torch.Generator().manual_seed(3), dtype=torch.float64
+    )
+    config = guides.GuideConfig(name="token")
+    theta, log_q = backward.token_guide_fixed_point(
+        tree, ref, rewards, beta, config, alpha=0.3, sigma=sigma
+    )
+    draws = 4000 if sigma > 0 else 1
+    logps = tree.token_logps(theta).repeat(draws, 1)  # [draws * B, T]
+    mask = tree.completion_mask.repeat(draws, 1)
+    generator = torch.Generator().manual_seed(0)
+    q = guides.token_guide(logps, mask, 0.3, sigma, "percentile", generator).clamp(0.6, 1.4)
+    sampled = (q.log() * mask).sum(-1).view(draws, -1)  # [draws, B]
+    error = sampled.std(0) / math.sqrt(draws) if sigma > 0 else torch.zeros_like(log_q)
+    assert ((sampled.mean(0) - log_q).abs() <= 4 * error + 1e-12).all()
+    shaped = rewards + beta * log_q - beta * (tree.sequence_logps(theta) - tree.sequence_logps(ref))
+    assert shaped.std() < 1e-10
+    unguided = backward.fixed_point(
+        tree, ref, rewards, torch.zeros_like(ref), "k1_return", beta=beta
+    )
+    plain, _ = backward.token_guide_fixed_point(tree, ref, rewards, beta, config, 0.0, 0.0)
+    assert (tree.param_log_probs(plain) - tree.param_log_probs(unguided)).abs().max() < 1e-12
+    assert (tree.param_log_probs(theta) - tree.param_log_probs(unguided)).abs().max() > 0.05
+
+
+def test_the_token_guides_mean_log_q_is_the_sampled_mean():
+    """backward.expected_log_q (normal CDF for the clamps, quadrature between) against 200,000
+    draws of log clamp(1 + alpha w + sigma w xi), at w where the clamp binds and where it does
+    not."""
+    from toy import backward
+
+    w = torch.tensor([0.0, 0.2, 0.7, 1.0], dtype=torch.float64)
+    exact = backward.expected_log_q(w, alpha=0.3, sigma=0.25, q_min=0.6, q_max=1.4)
+    xi = torch.randn(200_000, 1, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    draws = (1.0 + 0.3 * w + 0.25 * w * xi).clamp(0.6, 1.4).log()  # [n, 4]
+    standard_error = draws.std(0) / math.sqrt(len(xi))
+    assert ((draws.mean(0) - exact).abs() <= 4 * standard_error + 1e-15).all()
+    assert exact[0] == 0.0 and exact[3] < math.log(1.3)  # no noise at w = 0; Jensen and the clamp

@@ -306,3 +306,86 @@ def self_consistent_fixed_point(
             return theta, log_q
         log_q = new_log_q
     raise ValueError(f"the self-consistent guide did not settle for {estimator!r}")
+
+
+def expected_log_q(
+    w: torch.Tensor, alpha: float, sigma: float, q_min: float, q_max: float
+) -> torch.Tensor:
+    """E over xi ~ N(0, 1) of log clamp(1 + alpha w + sigma w xi, q_min, q_max), elementwise: the
+    token guide's log q_t (Eq. 10) as the return sees it on average. With mu = 1 + alpha w and
+    s = sigma w, q is N(mu, s^2) clamped: the clamps' masses by the normal CDF, the middle by
+    64-point Gauss-Legendre in z (its integrand, log(mu + s z) phi(z), is smooth there).
+
+    >>> w = torch.tensor([0.0, 0.5, 1.0], dtype=DTYPE)
+    >>> expected_log_q(w, alpha=0.3, sigma=0.0, q_min=0.6, q_max=1.4).exp()  # no noise: 1 + 0.3 w
+    tensor([1.0000, 1.1500, 1.3000], dtype=torch.float64)
+    >>> round(expected_log_q(w, 0.3, 0.25, 0.6, 1.4)[2].item(), 4)  # clamp, Jensen: < log 1.3
+    0.2054
+    """
+    w = w.to(DTYPE)
+    mu, s = 1.0 + alpha * w, sigma * w
+    noiseless = mu.clamp(q_min, q_max).log()
+    spread = s.clamp_min(1e-300)
+    z_low = ((q_min - mu) / spread).clamp(-40.0, 40.0)
+    z_high = ((q_max - mu) / spread).clamp(-40.0, 40.0)
+    nodes, weights = _gauss_legendre(64)
+    half = (z_high - z_low)[..., None] / 2  # [..., 1]
+    z = z_low[..., None] + half * (nodes + 1.0)  # [..., 64]
+    density = torch.exp(-0.5 * z**2) / math.sqrt(2 * math.pi)
+    middle = (half * weights * (mu[..., None] + s[..., None] * z).log() * density).sum(-1)
+    ndtr = torch.special.ndtr
+    noisy = math.log(q_min) * ndtr(z_low) + math.log(q_max) * (1 - ndtr(z_high)) + middle
+    return torch.where(s > 0, noisy, noiseless)
+
+
+def _gauss_legendre(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nodes and weights of n-point Gauss-Legendre quadrature on [-1, 1] (numpy's)."""
+    import numpy as np
+
+    nodes, weights = np.polynomial.legendre.leggauss(n)
+    return torch.from_numpy(nodes), torch.from_numpy(weights)
+
+
+def token_guide_fixed_point(
+    tree: TokenTree,
+    ref_theta: torch.Tensor,
+    rewards: torch.Tensor,
+    beta: float,
+    config: guides.GuideConfig,
+    alpha: float,
+    sigma: float,
+    token_mask: torch.Tensor | None = None,
+    tail: torch.Tensor | None = None,
+    min_p: float = 0.0,
+    iterations: int = 200,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k1_return's fixed point under the token guide (Eq. 10) with alpha and sigma held, q read
+    from the policy's own surprisals: pi(y) ∝ pi_ref(y) q(y) exp(r(y) / beta), where log q(y) =
+    sum_t E_xi log q_t and q_t's w_t is -log pi(y_t | y_<t) normalized within y (the trainer's
+    ``guides.normalize_per_completion``), so q is not one number per node but per completion.
+
+    Eq. 4 with a per-completion factor is Eq. 4 with the reward r + beta log q(y): each step
+    solves ``fixed_point`` (``sampler_fixed_point`` with ``tail``) with that reward, from q at
+    pi_ref, until q settles. ``token_mask`` [B, T]: the tokens the trainer would see (default
+    every token of the tree). Returns (theta [P], log q(y) [B]); raises if q does not settle."""
+    mask = tree.completion_mask if token_mask is None else token_mask
+
+    def completion_log_q(theta):
+        surprisal = -tree.token_logps(theta)  # [B, T]
+        w = guides.normalize_per_completion(surprisal, mask, config.token_normalization)
+        terms = expected_log_q(w, alpha, sigma, config.q_min, config.q_max)
+        return (terms * mask).sum(dim=-1)  # [B]
+
+    log_q = completion_log_q(ref_theta)
+    no_q = torch.zeros(tree.num_params, dtype=DTYPE)
+    for _ in range(iterations):
+        shaped = rewards.to(DTYPE) + beta * log_q
+        if tail is None:
+            theta = fixed_point(tree, ref_theta, shaped, no_q, "k1_return", beta)
+        else:
+            theta, _ = sampler_fixed_point(tree, ref_theta, shaped, no_q, beta, tail, min_p)
+        new_log_q = completion_log_q(theta)
+        if (new_log_q - log_q).abs().max() <= 1e-12:
+            return theta, new_log_q
+        log_q = new_log_q
+    raise ValueError("the token guide's q did not settle")
