@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -131,7 +132,9 @@ def test_make_demo_lifts_pi_b_toward_the_prediction_and_says_so_in_a_few_lines(t
     ends above the unguided one, near the exact prediction (+0.77 nats for this start; +0.84
     trained on the CPU this was written on: the bounds leave room for another CPU's rounding);
     under k3 the guide's lift stays near its prediction of about 0. The report is a few lines and
-    the figure is written; run again, it keeps the finished arms and prints the same table."""
+    the figure is written; run again, it keeps the finished arms and prints the same table. (This
+    start's entropies put q at the clamp at B's positions from the start, so whose entropies the
+    guide reads cannot show here: test_two_step_cli_run's branch run checks that.)"""
     out = tmp_path / "demo"
     command = [sys.executable, "-m", "extras.two_mode", "--tiny", "--out", str(out)]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -170,7 +173,8 @@ def test_make_demo_lifts_pi_b_toward_the_prediction_and_says_so_in_a_few_lines(t
         assert {"kl/ref_k3", "q/mean"} <= columns.keys()
     assert any(value != 1.0 for value in steps["k1_return_branch"][seed]["q/mean"])
     # Eq. 11's clamp at q_max = 1.4 is reached on this task, and never passed
-    assert max(steps["k1_return_branch"][seed]["q/max"]) == pytest.approx(1.4)
+    q_max = steps["k1_return_branch"][seed]["q/max"]
+    assert max(q_max) == pytest.approx(1.4)
     seed_dir = out / f"seed-{seed}"
     prediction = json.loads((seed_dir / "prediction.json").read_text())
     assert prediction["start_sha256"] == two_mode.weights_sha256(str(seed_dir / "sft_model"))
@@ -233,3 +237,29 @@ def test_the_margin_rule_judges_levels_at_a_plateau_and_lifts_paired_by_seed():
     rows = two_mode.margin_verdict(per_seed, ["k1_return", "k1_return_branch_ref"], steps=50)
     assert rows["k1_return"]["level"].startswith("transient")
     assert rows["k1_return_branch_ref"]["lift"].startswith("fails")  # (+0.1 - 0.7) / 2: beyond 0.2
+
+
+@pytest.mark.parametrize("setting", ["k2m6", "k3m8", "k4m10"])
+def test_a_finished_study_judged_at_its_last_step_is_its_own_verdict(setting, tmp_path, capsys):
+    """--judge-at re-judges a study from its committed summary and per-step metrics alone: at the
+    study's own length it gives the verdicts the study recorded, and earlier it judges fewer
+    levels (the plateau test fails more often) while every lift still passes, as the
+    preregistration's note on the study's budget reports."""
+    docs = Path(__file__).resolve().parents[1] / "docs" / "two-mode"
+    summary = json.loads((docs / f"study-{setting}-summary.json").read_text())
+    steps = json.loads(gzip.decompress((docs / f"study-{setting}-steps.json.gz").read_bytes()))
+    recorded = summary["margin_verdict"]
+    judged = two_mode.judge_at(summary, steps, at_step=summary["settings"]["steps"])
+    for arm, row in recorded.items():
+        assert judged[arm]["level"] == row["level"] and judged[arm].get("lift") == row.get("lift")
+    early = two_mode.judge_at(summary, steps, at_step=400)
+    assert all(row["lift"].startswith("passes") for row in early.values() if "lift" in row)
+    judged_levels = [row for row in early.values() if row["level"].startswith(("passes", "fails"))]
+    assert len(judged_levels) < len(early)
+    # the command line: python -m extras.two_mode --out DIR --judge-at 400, trains nothing
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / "steps.json.gz").write_bytes((docs / f"study-{setting}-steps.json.gz").read_bytes())
+    assert two_mode.main(["--out", str(tmp_path), "--judge-at", "400"]) == early
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == len(early) and printed[0].startswith("margins at step 400, k1_return:")
+    assert sorted(os.listdir(tmp_path)) == ["steps.json.gz", "summary.json"]
