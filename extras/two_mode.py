@@ -874,6 +874,26 @@ def margin_verdict(per_seed: dict[int, dict], arms: list[str], steps: int) -> di
     return rows
 
 
+def judge_at(summary: dict, steps: dict, at_step: int) -> dict:
+    """The margin rule on a finished study's first ``at_step`` steps, from its summary.json and
+    steps.json.gz alone (no training): each arm's last evaluation at or before that step against
+    the prediction the study judged, and the plateau test over that step's last 20%. What a
+    shorter study would have decided, but not a shorter run: the learning rate decays to 0 over
+    the run's own --steps, so step N of a longer run still trains at a higher rate."""
+    rows = summary["margin_verdict"]
+    per_seed = {}
+    for seed in next(iter(summary["trajectories"].values())):
+        per_seed[seed] = {
+            "prediction": {"log_pi_b": {a: rows[a]["per_seed"][seed]["predicted"] for a in rows}},
+            "arms": {
+                arm: [point for point in points[seed] if point["step"] <= at_step]
+                for arm, points in summary["trajectories"].items()
+            },
+            "steps": {arm: {"reward": steps[arm][seed]["reward"][:at_step]} for arm in rows},
+        }
+    return margin_verdict(per_seed, list(rows), steps=at_step)
+
+
 def format_report(summary: dict) -> str:
     """The table: per arm, start, predicted and trained log pi(B), trained - predicted, and the
     lift over the unguided arm (predicted; trained), means with 95% intervals over seeds."""
@@ -1054,6 +1074,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--predict-only", action="store_true", help="make the starts and their predictions only"
     )
     parser.add_argument(
+        "--judge-at",
+        type=int,
+        default=0,
+        metavar="STEP",
+        help="judge the finished study in --out by the margin rule on its first STEP steps (reads "
+        "summary.json and steps.json.gz; trains nothing)",
+    )
+    parser.add_argument(
         "--tiny",
         action="store_true",
         help=(
@@ -1085,6 +1113,16 @@ def main(argv: list[str] | None = None) -> dict:
     """The study: every seed's start, prediction and arms, then summary.json, the report and
     pi_b.png in --out (a killed study run again keeps the starts, predictions and finished arms)."""
     args = parse_args(argv)
+    if args.judge_at > 0:
+        with open(os.path.join(args.out, "summary.json")) as handle:
+            summary = json.load(handle)
+        with gzip.open(os.path.join(args.out, "steps.json.gz")) as handle:
+            steps = json.load(handle)
+        rows = judge_at(summary, steps, at_step=args.judge_at)
+        for arm, row in rows.items():
+            print(f"margins at step {args.judge_at}, {arm}: level {row['level']}", end="")
+            print(f", lift {row['lift']}" if "lift" in row else "")
+        return rows
     started = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     transformers.utils.logging.disable_progress_bar()  # loading and saving the starts: no bars
