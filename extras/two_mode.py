@@ -427,6 +427,38 @@ def token_fixed_point(
     )
 
 
+def token_lift_at_trained_tail(
+    seed_dir: str, task: TwoModeTask, beta: float, arm: str = "k1_return_token"
+) -> list[float]:
+    """Post hoc, per phrasing: the token arm's lift over k1_return as ``predict_arms``' sampler
+    model gives it, but with the tail below min-p held where ``arm``'s trained policy (its
+    checkpoint's adapter) has it instead of at pi_ref's. The token guide normalizes surprisal
+    within a completion, so on A's nearly certain completions the small mass the sampler never
+    draws decides which token counts as surprising, and training grows that mass."""
+    from peft import PeftModel
+
+    start = os.path.join(seed_dir, "sft_model")
+    tokenizer = AutoTokenizer.from_pretrained(start)
+    task_tree = TaskTree(task, tokenizer)
+    tree, no_q = task_tree.tree, torch.zeros(task_tree.tree.num_params, dtype=torch.float64)
+    base = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+    adapter = os.path.join(seed_dir, arm, "checkpoint", "model")
+    trained = PeftModel.from_pretrained(base, adapter).eval()
+    nodes = np.load(os.path.join(seed_dir, "start_nodes.npz"))
+    lifts = []
+    for i, phrasing in enumerate(PHRASINGS):
+        prompt_ids = build_prompt_ids(tokenizer, phrasing)
+        theta, _, off_task = node_distributions(trained, prompt_ids, task_tree)
+        tail, _ = sampler_tail(task_tree, theta, off_task)  # the trained policy's
+        ref_theta = torch.from_numpy(nodes["theta"][i])
+        plain, _ = backward.sampler_fixed_point(
+            tree, ref_theta, task_tree.rewards, no_q, beta=beta, tail=tail, min_p=MIN_P
+        )
+        guided, _ = token_fixed_point(task_tree, ref_theta, beta=beta, tail=tail)
+        lifts.append(task_tree.log_pi_b(guided) - task_tree.log_pi_b(plain))
+    return lifts
+
+
 def weights_sha256(model_dir: str) -> str:
     """One SHA-256 over the start's weight files (*.safetensors, in name order): the start a
     prediction was made from, so that a reader knows whether theirs is the same."""
@@ -1082,6 +1114,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "summary.json and steps.json.gz; trains nothing)",
     )
     parser.add_argument(
+        "--token-tail-check",
+        action="store_true",
+        help="after a study with k1_return_token: its lift predicted again with the tail below "
+        "min-p held at the trained policy's (token_lift_at_trained_tail), per seed, into "
+        "token-tail-check.json",
+    )
+    parser.add_argument(
         "--tiny",
         action="store_true",
         help=(
@@ -1109,6 +1148,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def token_tail_check(args) -> dict:
+    """Per seed of a finished study in --out: the token arm's trained lift over k1_return, its
+    prediction (the tail at pi_ref's), and the prediction with the tail at the trained token
+    arm's; printed, and written to token-tail-check.json there. Trains nothing."""
+    task, found = TwoModeTask(k=args.k, m=args.m), {}
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        seed_dir = os.path.join(args.out, f"seed-{seed}")
+        last = {
+            arm: trajectory(os.path.join(seed_dir, arm))[-1]["log_pi_b"]
+            for arm in ("k1_return_token", "k1_return")
+        }
+        with open(os.path.join(seed_dir, "prediction.json")) as handle:
+            predicted = json.load(handle)["log_pi_b"]
+        at_tail = token_lift_at_trained_tail(seed_dir, task, beta=args.beta)
+        found[seed] = {
+            "trained": last["k1_return_token"] - last["k1_return"],
+            "predicted": predicted["k1_return_token/sampler"] - predicted["k1_return/sampler"],
+            "predicted_at_trained_tail": sum(at_tail) / len(at_tail),
+            "per_phrasing_at_trained_tail": at_tail,
+        }
+        row = found[seed]
+        print(
+            f"seed {seed}: token lift trained {row['trained']:+.3f}, predicted "
+            f"{row['predicted']:+.3f}, at the trained tail {row['predicted_at_trained_tail']:+.3f}"
+        )
+    write_json_atomic(os.path.join(args.out, "token-tail-check.json"), found)
+    return found
+
+
 def main(argv: list[str] | None = None) -> dict:
     """The study: every seed's start, prediction and arms, then summary.json, the report and
     pi_b.png in --out (a killed study run again keeps the starts, predictions and finished arms)."""
@@ -1123,6 +1191,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"margins at step {args.judge_at}, {arm}: level {row['level']}", end="")
             print(f", lift {row['lift']}" if "lift" in row else "")
         return rows
+    if args.token_tail_check:
+        return token_tail_check(args)
     started = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     transformers.utils.logging.disable_progress_bar()  # loading and saving the starts: no bars

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from extras import demo, two_mode
 from machinery.runs import SUBPROCESS_ENV
@@ -263,3 +263,33 @@ def test_a_finished_study_judged_at_its_last_step_is_its_own_verdict(setting, tm
     printed = capsys.readouterr().out.splitlines()
     assert len(printed) == len(early) and printed[0].startswith("margins at step 400, k1_return:")
     assert sorted(os.listdir(tmp_path)) == ["steps.json.gz", "summary.json"]
+
+
+def test_the_token_tail_check_with_an_untrained_adapter_is_the_prediction(tmp_path):
+    """token_lift_at_trained_tail measures the tail below min-p on the arm's trained policy: with
+    an adapter that changes nothing (LoRA's B = 0), that policy is pi_ref, its tail is the one
+    the prediction holds, and the lift it gives is the prediction's, phrasing by phrasing."""
+    from peft import LoraConfig, get_peft_model
+
+    seed_dir = tmp_path / "seed-1"
+    model_dir = demo.save_tiny_model(
+        seed_dir / "sft_model", seed=3, hidden_size=128, num_layers=1, num_heads=2
+    )
+    task = two_mode.TwoModeTask(k=2, m=4)
+    prediction = two_mode.predict_start(
+        model_dir,
+        task,
+        beta=0.5,
+        arms=("k1_return", "k1_return_token"),
+        nodes_path=str(seed_dir / "start_nodes.npz"),
+    )
+    untrained = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(r=4, target_modules=["q_proj"])
+    )
+    untrained.save_pretrained(seed_dir / "k1_return_token" / "checkpoint" / "model")
+    lifts = two_mode.token_lift_at_trained_tail(str(seed_dir), task, beta=0.5)
+    expected = [
+        p["k1_return_token/sampler"] - p["k1_return/sampler"] for p in prediction["per_phrasing"]
+    ]
+    assert lifts == pytest.approx(expected, abs=1e-9)
+    assert any(abs(lift) > 1e-3 for lift in lifts)  # the guide moves this start
