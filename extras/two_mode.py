@@ -1144,6 +1144,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         TwoModeTask(k=args.k, m=args.m)  # K and M in range
     except ValueError as problem:
         parser.error(f"--k {args.k} --m {args.m}: {problem}")
+    if args.judge_at < 0:
+        parser.error(f"--judge-at {args.judge_at}: pass a step >= 1 of the finished study")
+    if args.judge_at and args.token_tail_check:
+        parser.error("--judge-at and --token-tail-check are two readings of a study: pass one")
+    missing = []  # what the two readings of a finished study read
+    if args.judge_at:
+        missing = [os.path.join(args.out, name) for name in ("summary.json", "steps.json.gz")]
+    if args.token_tail_check:
+        seed_dirs = [
+            os.path.join(args.out, f"seed-{seed}")
+            for seed in range(args.first_seed, args.first_seed + args.seeds)
+        ]
+        missing = [os.path.join(seed_dir, "prediction.json") for seed_dir in seed_dirs]
+        missing += [os.path.join(d, "k1_return", "eval.jsonl") for d in seed_dirs]
+        missing += [os.path.join(d, "k1_return_token", "checkpoint", "model") for d in seed_dirs]
+    missing = [path for path in missing if not os.path.exists(path)]
+    if missing:
+        parser.error(
+            f"no {missing[0]}: this reads a finished study; pass its --out (and its --seeds and "
+            "--first-seed), or run the study first"
+        )
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     return args
 

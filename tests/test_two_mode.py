@@ -47,6 +47,10 @@ def test_the_sft_data_is_drawn_from_the_task():
         (["--arms", "k4"], "unknown --arms k4"),
         (["--beta", "0"], "--beta and --lr must be > 0"),
         (["--seeds", "0"], "--seeds must be >= 1"),
+        (["--judge-at", "-5"], "--judge-at -5: pass a step >= 1"),
+        (["--judge-at", "400", "--token-tail-check"], "two readings of a study: pass one"),
+        (["--out", "/no/such", "--judge-at", "400"], "no /no/such/summary.json: this reads a"),
+        (["--out", "/no/such", "--token-tail-check"], "no /no/such/seed-1000/prediction.json"),
     ],
 )
 def test_the_study_refuses_bad_settings_in_one_line(argv, message, capsys):
