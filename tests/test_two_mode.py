@@ -269,6 +269,7 @@ def test_a_finished_study_judged_at_its_last_step_is_its_own_verdict(setting, tm
     assert sorted(os.listdir(tmp_path)) == ["steps.json.gz", "summary.json"]
 
 
+@pytest.mark.cuda_kernels  # peft's loader pins memory wherever torch says CUDA
 def test_the_token_tail_check_with_an_untrained_adapter_is_the_prediction(tmp_path):
     """token_lift_at_trained_tail measures the tail below min-p on the arm's trained policy: with
     an adapter that changes nothing (LoRA's B = 0), that policy is pi_ref, its tail is the one
