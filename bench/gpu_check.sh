@@ -3,9 +3,9 @@
 #
 #   bash bench/gpu_check.sh            # from the project root, on the GPU node
 #
-# The node may be bare: one H100 or H200, Python 3.12 with PyTorch, transformers, peft and
-# accelerate, and nothing else (no vLLM, no package index, no hub). The other wheels it needs
-# travel in .whl/ (ignored by git; bench/gpu_wheels.sh downloads them where an index answers).
+# The node: one H100 or H200, Python 3.12 with PyTorch, transformers, peft, accelerate, pandas,
+# pyarrow and pytest, but no vLLM, no package index and no hub. The other wheels it needs travel
+# in .whl/ (ignored by git; bench/gpu_wheels.sh downloads them where an index answers).
 # In order, each part under a `timeout`, its log in $OUT (default runs/gpu_check):
 #   0. the wheels of .whl/ into /tmp/site (PYTHONPATH), and what torch sees (gpu.json);
 #   1. one update step of a random Qwen2.5-Math-7B-shaped model at micro-batch 4, gradient
@@ -376,7 +376,7 @@ summary = {
         "attention": update.get("attention"), "build_s": update.get("build_s"),
         "steps": [{k: row.get(k) for k in (
             "prompt_len", "completion_len", "measured_peak_gb", "measured_reserved_gb",
-            "counted_peak_gb", "plan_gb", "documented_plan_gb", "ratio", "over_plan_gb",
+            "counted_peak_gb", "plan_gb", "formula_gb", "documented_plan_gb", "ratio", "over_plan_gb",
             "loss", "grad_norm", "weights_moved_max_abs", "step_s", "plan_s")} for row in steps],
     },
     # at 256 + 1,536 tokens, the plan's 20.27 GB (the first step measured on a CPU dry run)

@@ -65,14 +65,22 @@ TINY_PROBLEMS = [
 
 
 def test_local_jsonl_parquet_and_csv_benchmarks_load_with_custom_keys(tmp_path):
-    import datasets
+    """The files are written with pyarrow and the csv module, not through an in-memory
+    datasets.Dataset: only the reading is the project's."""
+    import csv
+
+    import pyarrow
+    import pyarrow.parquet
 
     jsonl = write_jsonl(tmp_path / "tiny.jsonl", TINY_PROBLEMS)
-    parquet, csv = str(tmp_path / "tiny2.parquet"), str(tmp_path / "tiny3.csv")
-    datasets.Dataset.from_list(TINY_PROBLEMS).to_parquet(parquet)
-    datasets.Dataset.from_list(TINY_PROBLEMS).to_csv(csv, index=False)
+    parquet, csv_path = str(tmp_path / "tiny2.parquet"), str(tmp_path / "tiny3.csv")
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(TINY_PROBLEMS), parquet)
+    with open(csv_path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["question", "solution"])
+        writer.writeheader()
+        writer.writerows(TINY_PROBLEMS)
     expected = [Problem(row["question"], row["solution"]) for row in TINY_PROBLEMS]
-    resolved = resolve_benchmarks(f"{jsonl},{parquet},{csv}", "question", "solution")
+    resolved = resolve_benchmarks(f"{jsonl},{parquet},{csv_path}", "question", "solution")
     assert list(resolved) == ["tiny", "tiny2", "tiny3"]
     assert all(problems == expected for _, problems in resolved.values())
     with pytest.raises(
