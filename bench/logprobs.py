@@ -62,16 +62,14 @@ PATHS = {
 
 
 def make_inputs(args, device):
-    generator = torch.Generator(device="cpu").manual_seed(0)
+    # drawn on the device: at Qwen's vocabulary a CPU draw of the logits takes seconds per call
+    generator = torch.Generator(device=device).manual_seed(0)
     shape = (args.batch, args.length, args.vocab)
     dtype = getattr(torch, args.dtype)
-    logits = (
-        (torch.randn(shape, generator=generator) * 2.0)
-        .to(device=device, dtype=dtype)
-        .requires_grad_()
-    )
-    token_ids = torch.randint(0, args.vocab, shape[:2], generator=generator).to(device)
-    upstream = torch.randn(shape[:2], generator=generator).to(device)
+    logits = torch.randn(shape, generator=generator, device=device) * 2.0
+    logits = logits.to(dtype=dtype).requires_grad_()
+    token_ids = torch.randint(0, args.vocab, shape[:2], generator=generator, device=device)
+    upstream = torch.randn(shape[:2], generator=generator, device=device)
     return logits, token_ids, upstream
 
 

@@ -105,8 +105,9 @@ class _TokenLogProbs(torch.autograd.Function):
             total = e.sum(dim=-1)  # [n], over the kept set
             # Entropy of that distribution (Eq. 12): H = log sum e - sum(e (z - max)) / sum e;
             # a dropped token has e = 0 and adds nothing, a -inf logit (a masked vocabulary)
-            # neither: its 0 * -inf = NaN is that 0.
-            entropies[rows] = total.log() - shifted.mul_(e).nan_to_num_(nan=0.0).sum(-1) / total
+            # neither: nansum drops its 0 * -inf = NaN (NaN or +inf logits still give a NaN
+            # total, which the caller's check catches).
+            entropies[rows] = total.log() - shifted.mul_(e).nansum(-1) / total
             lse = row_max.view(-1) + total.log()
             kept_logsumexp[rows] = lse
             row_maxima[rows] = row_max.view(-1)
