@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check: what a CPU cannot test, run on one GPU node in at most 8 minutes.
+# The GPU check: what a CPU cannot test, run on one GPU node in at most 9 minutes.
 #
 #   bash bench/gpu_check.sh            # from the project root, on the GPU node
 #
@@ -12,20 +12,23 @@
 #      checkpointing, chunked log-probs, LoRA rank 8 (bench/gpu_check_update.py): its measured
 #      peak (max_memory_allocated) against the plan's (20.27 GB at 256 + 1,536 tokens, 20.96 at
 #      sage.py's default 512 + 1,536);
-#   2. a tiny `--backend hf` run of sage.py on CUDA (the demo's model, 4 updates): the peaks it
+#   2. the step's speed at the paper's shape (bench/gpu_step.py: peak, step time, tokens/s, MFU)
+#      and the chunked log-prob kernel against the naive path (bench/logprobs.py: memory and
+#      time ratios), reported against their goals, not failed on them;
+#   3. a tiny `--backend hf` run of sage.py on CUDA (the demo's model, 4 updates): the peaks it
 #      logs (memory/*_peak_gb in metrics.jsonl) and its "[memory]" lines against the plan's
 #      forecast, the loss and gradient norm finite, the LoRA weights moved;
-#   3. pytest -m "cuda_kernels or not slow" on the GPU with what is left of the 8 minutes, the
+#   4. pytest -m "cuda_kernels or not slow" on the GPU with what is left of the budget, the
 #      tests marked cuda_kernels first; a test that needs a module this node lacks (vLLM,
 #      matplotlib, scipy, tensorboard, wandb) is skipped and counted with that reason.
 # The last line printed is one JSON object with every figure; the exit status is 1 when a part
 # failed. GPU_CHECK_CPU=1 runs the same parts on a CPU (the update at --tiny shape), to test this
-# script without a GPU; GPU_CHECK_BUDGET_S (default 465) is the whole run's budget in seconds;
+# script without a GPU; GPU_CHECK_BUDGET_S (default 540) is the whole run's budget in seconds;
 # GPU_CHECK_PYTEST_MARK and GPU_CHECK_PYTEST_ARGS narrow the tests (a rerun of some files).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
-BUDGET=${GPU_CHECK_BUDGET_S:-465}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
 CPU=${GPU_CHECK_CPU:-0}
 PY=${PYTHON:-python3}
 WHEELS=${WHEEL_DIR:-.whl}
@@ -104,7 +107,15 @@ if [[ ${RC[device]} -eq 0 ]]; then
     part update 200 "$PY" bench/gpu_check_update.py "${UPDATE_ARGS[@]}"
 fi
 
-# ---- 2. a tiny --backend hf run on CUDA --------------------------------------------------------
+# ---- 2. the step's speed and the log-prob kernel -----------------------------------------------
+STEP_ARGS=() LOGPROB_ARGS=()
+[[ $CPU == 1 ]] && LOGPROB_ARGS=(--batch 2 --length 64 --vocab 1024)  # gpu_step: --small on CPU
+if [[ ${RC[device]} -eq 0 ]]; then
+    part gpu_step 150 "$PY" bench/gpu_step.py "${STEP_ARGS[@]}"
+    part logprobs 60 "$PY" bench/logprobs.py "${LOGPROB_ARGS[@]}"
+fi
+
+# ---- 3. a tiny --backend hf run on CUDA --------------------------------------------------------
 HF_DEMO=(--demo-sft-examples 16 --sft-batch-size 8 --demo-eval-problems 2)
 HF_RUN=(--backend hf --steps 4 --prompts-per-step 2 --rollouts 4 --micro-batch-size 4
     --gradient-checkpointing --max-seq-len 144 --max-prompt-len 100 --eval-every 0
@@ -122,7 +133,7 @@ if [[ ${RC[device]} -eq 0 ]]; then  # (timeout runs programs: the function goes 
     part hf_run 150 bash -c "$(declare -p HF_DEMO HF_RUN LOGS PY); $(declare -f hf_run); hf_run"
 fi
 
-# ---- 3. the tests that need no vLLM, on the GPU -----------------------------------------------
+# ---- 4. the tests that need no vLLM, on the GPU -----------------------------------------------
 mkdir -p "$LOGS/plugin"
 cat > "$LOGS/plugin/gpu_check_plugin.py" <<'EOF'
 """bench/gpu_check.sh's pytest plugin. A test that fails only because this node lacks an
@@ -230,15 +241,16 @@ fi
 # ---- the summary: one JSON object, last ------------------------------------------------------
 summary_rc=0
 "$PY" - "$LOGS" "$CPU" "$(( $(date +%s) - START ))" \
-    "${RC[wheels]:-}" "${RC[device]:-}" "${RC[update]:-}" "${RC[hf_run]:-}" "${RC[pytest]:-}" \
-    "${WALL[wheels]:-}" "${WALL[device]:-}" "${WALL[update]:-}" "${WALL[hf_run]:-}" \
-    "${WALL[pytest]:-}" <<'EOF' || summary_rc=$?
+    "${RC[wheels]:-}" "${RC[device]:-}" "${RC[update]:-}" "${RC[gpu_step]:-}" \
+    "${RC[logprobs]:-}" "${RC[hf_run]:-}" "${RC[pytest]:-}" \
+    "${WALL[wheels]:-}" "${WALL[device]:-}" "${WALL[update]:-}" "${WALL[gpu_step]:-}" \
+    "${WALL[logprobs]:-}" "${WALL[hf_run]:-}" "${WALL[pytest]:-}" <<'EOF' || summary_rc=$?
 import glob, json, math, os, re, sys
 
 logs, cpu, total_s = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3])
-names = ["wheels", "device", "update", "hf_run", "pytest"]
-rcs = dict(zip(names, (int(v) if v else None for v in sys.argv[4:9])))
-walls = dict(zip(names, (int(v) if v else None for v in sys.argv[9:14])))
+names = ["wheels", "device", "update", "gpu_step", "logprobs", "hf_run", "pytest"]
+rcs = dict(zip(names, (int(v) if v else None for v in sys.argv[4:11])))
+walls = dict(zip(names, (int(v) if v else None for v in sys.argv[11:18])))
 failures = []
 
 
@@ -273,6 +285,29 @@ if rcs["update"] is None:
 elif rcs["update"] != 0 or not update or not update.get("ok"):
     failures.append(f"update: exit {rcs['update']}: " + "; ".join((update or {}).get("failures") or ["see update.log"]))
 steps = (update or {}).get("steps", [])
+
+# the step's speed and the kernel, against their goals (docs/gpu.md, docs/benchmarks.md)
+benches = {}
+for name in ("gpu_step", "logprobs"):
+    if rcs[name] is None:
+        failures.append(f"{name}: not run")
+    elif rcs[name] != 0:
+        failures.append(f"{name}: exit {rcs[name]} (see {name}.log)")
+    benches[name] = last_json(f"{logs}/{name}.log") or {}
+step = benches["gpu_step"]
+step_7b = {k: step.get(k) for k in ("shape", "peak_memory_gb", "peak_reserved_gb", "step_s",
+                                    "tokens_per_s", "mfu", "attention")}
+step_7b["goals"] = {  # one H100's: a peak of at most 55 GB, an MFU of at least 0.35
+    "peak_at_most_55_gb": None if step.get("peak_memory_gb") is None else step["peak_memory_gb"] <= 55,
+    "mfu_at_least_0.35": None if step.get("mfu") is None else step["mfu"] >= 0.35,
+}
+kernel = benches["logprobs"]
+logprobs = {k: kernel.get(k) for k in ("shape", "dtype", "peak_memory_ratio", "time_ratio",
+                                       "ours_seconds", "naive_seconds", "max_abs_diff")}
+logprobs["goals"] = {
+    "memory_ratio_at_most_0.25": None if kernel.get("peak_memory_ratio") is None else kernel["peak_memory_ratio"] <= 0.25,
+    "time_ratio_at_most_1.5": None if kernel.get("time_ratio") is None else kernel["time_ratio"] <= 1.5,
+}
 
 # 2. the hf run: its logged peaks against the forecast
 hf = {"exit": rcs["hf_run"]}
@@ -380,6 +415,8 @@ summary = {
             "loss", "grad_norm", "weights_moved_max_abs", "step_s", "plan_s")} for row in steps],
     },
     # at 256 + 1,536 tokens, the plan's 20.27 GB (the first step measured on a CPU dry run)
+    "step_7b": step_7b,
+    "logprobs": logprobs,
     "update_7b_measured_peak_gb": first.get("measured_peak_gb"),
     "update_7b_plan_gb": first.get("plan_gb"),
     "update_7b_ratio": first.get("ratio"),
