@@ -392,8 +392,15 @@ def predict_arms(
             continue
         if spec["guide"] == "policy":
             theta, _ = backward.self_consistent_fixed_point(
-                *(tree, ref_theta, rewards, "k1_return", beta, branch),
-                **{"tail": tail, "min_p": MIN_P, "inside": inside},
+                tree,
+                ref_theta,
+                rewards,
+                estimator="k1_return",
+                beta=beta,
+                config=branch,
+                tail=tail,
+                min_p=MIN_P,
+                inside=inside,
             )
         elif spec["guide"] == "token":
             theta, _ = token_fixed_point(task_tree, ref_theta, beta=beta, tail=tail)
