@@ -676,8 +676,9 @@ def step_metrics(run_dir: str) -> dict[str, list]:
     return {key: [float(f"{row[key]:.6g}") for row in rows] for key in keys}
 
 
-def run_seed(seed: int, args) -> dict:
-    """One seed: its start, its prediction, every arm trained; {prediction, arms: trajectories}."""
+def prepare_seed(seed: int, args) -> dict:
+    """One seed's start and its prediction (each kept if made already): {prediction, files,
+    flags}, what its arms train from."""
     seed_dir = os.path.join(args.out, f"seed-{seed}")
     os.makedirs(seed_dir, exist_ok=True)
     files = make_start(seed_dir, seed, args)
@@ -700,19 +701,31 @@ def run_seed(seed: int, args) -> dict:
         write_json_atomic(prediction_file, prediction)
     with open(prediction_file) as handle:
         prediction = json.load(handle)
-    result = {"prediction": prediction, "arms": {}}
-    if args.predict_only:
-        return result
     flags = train_flags(args, prompt_len=prompt_length(files["model"]))
+    return {"prediction": prediction, "files": files, "flags": flags}
 
-    def train(arm: str) -> str:
+
+def train_arms(prepared: dict[int, dict], args) -> dict[int, dict]:
+    """Every arm of every seed, --jobs at a time from one queue (so that no core waits for a
+    seed's last arm): per seed, {prediction, arms: trajectories, steps: per-step metrics}."""
+
+    def train(seed_and_arm: tuple[int, str]) -> str:
+        seed, arm = seed_and_arm
+        seed_dir = os.path.join(args.out, f"seed-{seed}")
+        files, flags = prepared[seed]["files"], prepared[seed]["flags"]
         return train_arm(seed_dir, seed, arm, files=files, flags=flags, args=args)
 
+    queue = [(seed, arm) for seed in prepared for arm in args.arms]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        done = dict(zip(args.arms, pool.map(train, args.arms)))
-    result["arms"] = {arm: trajectory(run_dir) for arm, run_dir in done.items()}
-    result["steps"] = {arm: step_metrics(run_dir) for arm, run_dir in done.items()}
-    return result
+        run_dirs = dict(zip(queue, pool.map(train, queue)))
+    return {
+        seed: {
+            "prediction": prepared[seed]["prediction"],
+            "arms": {arm: trajectory(run_dirs[seed, arm]) for arm in args.arms},
+            "steps": {arm: step_metrics(run_dirs[seed, arm]) for arm in args.arms},
+        }
+        for seed in prepared
+    }
 
 
 # ---- 4. The summary: predicted and trained log pi(B), lifts paired by seed, the rule ----------
@@ -1224,15 +1237,18 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     transformers.utils.logging.disable_progress_bar()  # loading and saving the starts: no bars
-    per_seed = {}
+    prepared = {}
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-        per_seed[seed] = run_seed(seed, args)
-        print(f"two_mode: seed {seed} done ({time.perf_counter() - started:.0f} s)", flush=True)
+        prepared[seed] = prepare_seed(seed, args)
+        seconds = time.perf_counter() - started
+        print(f"two_mode: seed {seed}'s start and prediction ready ({seconds:.0f} s)", flush=True)
     if args.predict_only:
-        predictions = {seed: result["prediction"]["log_pi_b"] for seed, result in per_seed.items()}
+        predictions = {seed: result["prediction"]["log_pi_b"] for seed, result in prepared.items()}
         write_json_atomic(os.path.join(args.out, "predictions.json"), predictions)
         print(json.dumps(predictions, indent=1))
         return predictions
+    per_seed = train_arms(prepared, args)
+    print(f"two_mode: every arm trained ({time.perf_counter() - started:.0f} s)", flush=True)
     summary = summarize(per_seed, args, seconds=time.perf_counter() - started)
     write_json_atomic(os.path.join(args.out, "summary.json"), summary)
     # every arm's per-step metrics, {arm: {seed: columns}}, beside the summary (gzip'd JSON)
