@@ -797,10 +797,9 @@ def summarize(per_seed: dict[int, dict], args, seconds: float) -> dict:
 def arms_wall_seconds(out: str) -> float | None:
     """From the first arm's start (its config.json) to the last arm's end (its ``done``), read
     off the files, so a study continued after a stop still reports when its arms ran."""
-    starts = [
-        os.path.getmtime(p) for p in glob.glob(os.path.join(out, "seed-*", "*", "config.json"))
-    ]
-    ends = [os.path.getmtime(p) for p in glob.glob(os.path.join(out, "seed-*", "*", "done"))]
+    arms = [os.path.join(out, "seed-*", arm) for arm in ARMS]  # (sft_model has a config.json)
+    starts = [os.path.getmtime(p) for arm in arms for p in glob.glob(f"{arm}/config.json")]
+    ends = [os.path.getmtime(p) for arm in arms for p in glob.glob(f"{arm}/done")]
     return max(ends) - min(starts) if starts and ends else None
 
 

@@ -269,6 +269,28 @@ def test_a_finished_study_judged_at_its_last_step_is_its_own_verdict(setting, tm
     assert sorted(os.listdir(tmp_path)) == ["steps.json.gz", "summary.json"]
 
 
+@pytest.mark.parametrize("setting", ["k2m6", "k3m8", "k4m10"])
+def test_the_60_minute_study_is_judged_against_the_predictions_committed_before_it(setting):
+    """The 60-minute study's committed summary: each seed's prediction is the one committed
+    before its arms trained (study60-predictions.json, with the start's weight hash), every arm
+    trained the preregistered 300 steps, and the margin rule applied again to the committed
+    trajectories and per-step rewards gives the verdicts the summary records."""
+    docs = Path(__file__).resolve().parents[1] / "docs" / "two-mode"
+    summary = json.loads((docs / f"study60-{setting}-summary.json").read_text())
+    steps = json.loads(gzip.decompress((docs / f"study60-{setting}-steps.json.gz").read_bytes()))
+    committed = json.loads((docs / "study60-predictions.json").read_text())[setting]
+    assert summary["settings"]["steps"] == 300 and len(summary["arms"]) == len(two_mode.ARMS)
+    for arm, row in summary["margin_verdict"].items():
+        for seed, values in row["per_seed"].items():
+            predictions = committed[seed]["log_pi_b"]
+            expected = predictions.get(f"{arm}/sampler", predictions[arm])
+            assert values["predicted"] == pytest.approx(expected, abs=1e-6)
+        assert all(len(steps[arm][seed]["reward"]) == 300 for seed in row["per_seed"])
+    judged = two_mode.judge_at(summary, steps, at_step=300)
+    for arm, row in summary["margin_verdict"].items():
+        assert judged[arm]["level"] == row["level"] and judged[arm].get("lift") == row.get("lift")
+
+
 @pytest.mark.cuda_kernels  # peft's loader pins memory wherever torch says CUDA
 def test_the_token_tail_check_with_an_untrained_adapter_is_the_prediction(tmp_path):
     """token_lift_at_trained_tail measures the tail below min-p on the arm's trained policy: with
