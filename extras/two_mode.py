@@ -677,8 +677,8 @@ def step_metrics(run_dir: str) -> dict[str, list]:
 
 
 def prepare_seed(seed: int, args) -> dict:
-    """One seed's start and its prediction (each kept if made already): {prediction, files,
-    flags}, what its arms train from."""
+    """One seed's start and its prediction (each kept if made already): {prediction, seed_dir,
+    files}, what its arms train from."""
     seed_dir = os.path.join(args.out, f"seed-{seed}")
     os.makedirs(seed_dir, exist_ok=True)
     files = make_start(seed_dir, seed, args)
@@ -701,19 +701,22 @@ def prepare_seed(seed: int, args) -> dict:
         write_json_atomic(prediction_file, prediction)
     with open(prediction_file) as handle:
         prediction = json.load(handle)
-    flags = train_flags(args, prompt_len=prompt_length(files["model"]))
-    return {"prediction": prediction, "files": files, "flags": flags}
+    return {"prediction": prediction, "seed_dir": seed_dir, "files": files}
 
 
 def train_arms(prepared: dict[int, dict], args) -> dict[int, dict]:
     """Every arm of every seed, --jobs at a time from one queue (so that no core waits for a
     seed's last arm): per seed, {prediction, arms: trajectories, steps: per-step metrics}."""
 
+    flags = {
+        seed: train_flags(args, prompt_len=prompt_length(seed_files["files"]["model"]))
+        for seed, seed_files in prepared.items()
+    }
+
     def train(seed_and_arm: tuple[int, str]) -> str:
         seed, arm = seed_and_arm
-        seed_dir = os.path.join(args.out, f"seed-{seed}")
-        files, flags = prepared[seed]["files"], prepared[seed]["flags"]
-        return train_arm(seed_dir, seed, arm, files=files, flags=flags, args=args)
+        seed_dir, files = prepared[seed]["seed_dir"], prepared[seed]["files"]
+        return train_arm(seed_dir, seed, arm, files=files, flags=flags[seed], args=args)
 
     queue = [(seed, arm) for seed in prepared for arm in args.arms]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:

@@ -389,8 +389,8 @@ def token_guide_fixed_point(
         new_log_q = completion_log_q(theta)
         change = (new_log_q - log_q).abs()  # [B]
         # Settled: everywhere, or where the policy puts its mass. The q of a completion it
-        # almost never writes (one through OTHER, pi(y) ~ 1e-7) can settle a hundred times
-        # slower, and moves no marginal such as log pi(B).
+        # almost never writes (one through OTHER) can settle far more slowly, and moves no
+        # marginal such as log pi(B).
         expected_change = (tree.sequence_logps(theta).exp() * change).sum()
         if change.max() <= 1e-12 or expected_change <= 1e-11:
             return theta, new_log_q
