@@ -42,7 +42,7 @@ NORMALIZATIONS = ("percentile", "rank", "sigmoid")
 class GuideConfig:
     """Parameters of every guide; the defaults are the paper's (section 4.3, App. D)."""
 
-    name: str = field(default="branch", metadata={"flag": "guide"})
+    name: str = field(default="branch", metadata={"flag": "guide", "choices": GUIDES})
     """branch (Eq. 11, the paper's main variant) | token (Eq. 10) | random (Eq. 9) | none
     (GRPO's anchor pi_ref)."""
     q_min: float = field(default=0.6, metadata={"range": "in (0, 1]"})
@@ -66,9 +66,11 @@ class GuideConfig:
     bounds and --guide-cycle-decay 1: a constant)."""
     token_sigma: tuple[float, float] = field(default=(0.25, 0.1), metadata={"range": ">= 0"})
     """Token: noise scale on the normalized surprisal, (upper, lower) of its cosine schedule."""
-    token_normalization: str = "percentile"
+    token_normalization: str = field(default="percentile", metadata={"choices": NORMALIZATIONS})
     """Token: how surprisal becomes w_t in [0,1] per completion: percentile | rank | sigmoid."""
-    entropy: str = field(default="policy", metadata={"flag": "guide-entropy"})
+    entropy: str = field(
+        default="policy", metadata={"flag": "guide-entropy", "choices": ("policy", "reference")}
+    )
     """Whose signals feed the guide: policy (the paper's) | reference (pi_ref's, from the
     reference pass at no extra cost: Theorem 4.3's q, fixed during the run)."""
     # schedule
@@ -81,19 +83,8 @@ class GuideConfig:
     bounds: a constant)."""
 
     def __post_init__(self):
-        if self.name not in GUIDES:
-            raise ValueError(f"unknown --guide {self.name!r}: choose one of {', '.join(GUIDES)}")
-        if (problem := cli.out_of_range(self)) is not None:  # the ranges in the fields' metadata
+        if (problem := cli.out_of_range(self)) is not None:  # the fields' choices and ranges
             raise ValueError(problem)
-        if self.token_normalization not in NORMALIZATIONS:
-            raise ValueError(
-                f"unknown --token-normalization {self.token_normalization!r}: "
-                f"choose one of {', '.join(NORMALIZATIONS)}"
-            )
-        if self.entropy not in ("policy", "reference"):
-            raise ValueError(
-                f"unknown --guide-entropy {self.entropy!r}: choose policy or reference"
-            )
 
 
 # --------------------------------------------------------------------------------------------

@@ -316,21 +316,23 @@ def micro_batch_weight(aggregation: str, micro_rows: int, total_rows: int, num_m
 class LossConfig:
     """The loss's knobs; defaults are the paper's (section 5.1, App. E.5)."""
 
-    advantage: str = "grpo"
+    advantage: str = field(default="grpo", metadata={"choices": ADVANTAGES})
     """grpo | dr_grpo | rloo | bnpo (Beta-normalized): one advantage per completion."""
-    aggregation: str = field(default="grpo", metadata={"flag": "loss-agg"})
+    aggregation: str = field(default="grpo", metadata={"flag": "loss-agg", "choices": AGGREGATIONS})
     """grpo | batch_token_mean | dr_grpo | dapo: how per-token losses become one (``aggregate``)."""
     eps_low: float = field(default=0.2, metadata={"range": "in [0, 1)"})
     """Lower clip of the ratio (paper: 0.2)."""
     eps_high: float = field(default=0.2, metadata={"range": ">= 0"})
     """Upper clip of the ratio (paper: 0.2; DAPO: 0.28)."""
-    kl: str = "reverse"
+    kl: str = field(default="reverse", metadata={"choices": KL_MODES})
     """reverse | forward | none: the divergence from the anchor p~ = pi_ref * q."""
-    kl_estimator: str = "k3"
+    kl_estimator: str = field(default="k3", metadata={"choices": KL_ESTIMATORS})
     """k3 (paper) | k2 | ratio_k3 | k1_return (in the return: Eq. 4); docs/estimators.md."""
     beta: float = field(default=0.05, metadata={"range": ">= 0"})
     """KL coefficient (paper: 0.05)."""
-    distribution: str = field(default="full", metadata={"flag": "loss-distribution"})
+    distribution: str = field(
+        default="full", metadata={"flag": "loss-distribution", "choices": DISTRIBUTIONS}
+    )
     """full | min_p: what the policy's log-probs and the guide's H_t are computed over: pi_T's
     full softmax (the authors' code, TRL), or the sampler's min-p truncation (docs/min-p.md)."""
     reference_min_p: bool = False
@@ -342,17 +344,7 @@ class LossConfig:
 
     def __post_init__(self):
         """One line, naming the flag, for a setting the loss cannot run."""
-        choices = {
-            "--advantage": (self.advantage, ADVANTAGES),
-            "--loss-agg": (self.aggregation, AGGREGATIONS),
-            "--kl": (self.kl, KL_MODES),
-            "--kl-estimator": (self.kl_estimator, KL_ESTIMATORS),
-            "--loss-distribution": (self.distribution, DISTRIBUTIONS),
-        }
-        for flag, (value, allowed) in choices.items():
-            if value not in allowed:
-                raise ValueError(f"unknown {flag} {value!r}: choose one of {', '.join(allowed)}")
-        if (problem := cli.out_of_range(self)) is not None:  # the ranges in the fields' metadata
+        if (problem := cli.out_of_range(self)) is not None:  # the fields' choices and ranges
             raise ValueError(problem)
 
 

@@ -11,8 +11,9 @@ line (docs/implementation.md says why argparse, not HfArgumentParser or tyro):
 * ``metadata={"flag": "loss-agg"}`` renames a field's flag, ``{"flag": None}`` keeps it off the
   command line (a value the program sets, not the user), ``{"choices": (...)}`` lists the values
   argparse accepts;
-* ``metadata={"range": ">= 1"}`` (or "> 0", "in [0, 1)", ...) is the field's range, checked by
-  ``out_of_range`` on every instance the command line builds;
+* ``metadata={"range": ">= 1"}`` (or "> 0", "in [0, 1)", ...) is the field's range; it and the
+  choices are checked by ``out_of_range`` on every instance the command line builds, and by the
+  chapters' dataclasses on their own;
 * ``sections`` adds the knobs of optional features, returned beside the main instance.
 
 Bad input ends in argparse's usage and one line, ``prog: error: ...``, naming the flag and the
@@ -153,14 +154,23 @@ def in_range(value: float, rule: str) -> bool:
 
 def out_of_range(instance, rules: dict[str, str] | None = None) -> str | None:
     """The one-line complaint about the first field of ``instance`` (not the nested dataclasses)
-    out of its range: its metadata's, else ``rules``' for its flag; None (unset) passes.
+    not among its metadata's choices, or out of its range: its metadata's, else ``rules``' for
+    its flag; None (unset) passes.
 
     >>> import evaluate
     >>> out_of_range(evaluate.EvalSampling(), rules={"top-p": "in (0, 0.9]"})
     '--top-p 0.95: must be a finite number in (0, 0.9]'
+    >>> @dataclasses.dataclass
+    ... class Anchor:
+    ...     kl: str = dataclasses.field(default="none", metadata={"choices": ("reverse", "none")})
+    >>> out_of_range(Anchor(kl="sideways"))
+    "unknown --kl 'sideways': choose one of reverse, none"
     """
     for item in dataclasses.fields(instance):
         flag, value = flag_of(item), getattr(instance, item.name)
+        choices = item.metadata.get("choices")
+        if choices is not None and value not in choices:
+            return f"unknown --{flag} {value!r}: choose one of {', '.join(choices)}"
         rule = item.metadata.get("range") or (rules or {}).get(flag)
         if rule is None or value is None:
             continue

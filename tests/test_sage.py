@@ -118,8 +118,8 @@ def test_the_model_is_required_and_the_demo_is_named(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--guide", "entropy"], "unknown --guide"),
-        (["--kl-estimator", "k4"], "unknown --kl-estimator"),
+        (["--guide", "entropy"], "argument --guide: invalid choice: 'entropy'"),
+        (["--kl-estimator", "k4"], "argument --kl-estimator: invalid choice: 'k4'"),
         (["--algo", "ppo"], "argument --algo: invalid choice: 'ppo'"),
         (["--backend", "tpu"], "argument --backend: invalid choice: 'tpu'"),
         (["--rollouts", "1"], "--rollouts 1: must be a finite number >= 2"),
