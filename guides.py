@@ -244,28 +244,18 @@ def compute_log_q(
     total_steps: int,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Per-token log q_t for a batch of completions (Eq. 7's factors), clamped, 0 on padding.
+    """Per-token log q_t of a batch of completions (Eq. 7's factors), clamped to [q_min, q_max],
+    0 on padding, detached, on ``logps``' device: float32 (float64 for float64 inputs, as the
+    exact checks use).
 
-    Args:
-        config: which guide and its parameters.
-        logps: [B, C] log pi(y_t | y_<t) of the sampled tokens under the policy (token guide).
-        entropies: [B, C] full-vocabulary entropies H_t in nats (branch guide, Eq. 12).
-        completion_mask: [B, C] 1 for completion tokens, 0 for padding.
-        step: the optimizer step (0-based) -- the schedules' only clock.
-        total_steps: the run's number of optimizer steps.
-        generator: CPU generator for the random draws (random and token guides).
-
-    Returns:
-        log_q: [B, C] float32 (float64 if ``logps`` or ``entropies`` is float64, for exact
-        checks), detached, on the device of ``logps``.
+    logps [B, C] are log pi(y_t) of the sampled tokens (the token guide's signal), entropies
+    [B, C] the entropies H_t in nats (the branch guide's, Eq. 12), completion_mask [B, C] 1 on
+    completion tokens. ``step`` (0-based) of ``total_steps`` is the schedules' only clock;
+    ``generator`` draws the random and token guides' noise on the CPU.
     """
-    if logps.shape != completion_mask.shape or entropies.shape != completion_mask.shape:
-        raise ValueError(
-            f"guide inputs must share one [batch, length] shape: logps {tuple(logps.shape)}, "
-            f"entropies {tuple(entropies.shape)}, completion_mask {tuple(completion_mask.shape)}"
-        )
+    shapes = [tuple(t.shape) for t in (logps, entropies, completion_mask)]
+    assert shapes[0] == shapes[1] == shapes[2], f"logps, entropies, mask: {shapes}, not one [B, C]"
     device = logps.device
-    # float32, or float64 for exact checks
     dtype = torch.promote_types(torch.promote_types(logps.dtype, entropies.dtype), torch.float32)
     mask = completion_mask.bool()
     if config.name == "none":

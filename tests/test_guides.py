@@ -333,7 +333,7 @@ def test_bad_config_raises_value_error(kwargs, message):
 
 
 def test_mismatched_shapes_raise():
-    with pytest.raises(ValueError, match="share one"):
+    with pytest.raises(AssertionError, match="not one"):
         compute_log_q(GuideConfig("branch"), torch.zeros(2, 5), torch.zeros(2, 4), MASK, 0, 10)
     with pytest.raises(ValueError, match="unknown normalization"):
         guides.normalize_per_completion(SURPRISAL, MASK, "zscore")
