@@ -83,7 +83,7 @@ class GuideConfig:
     bounds: a constant)."""
 
     def __post_init__(self):
-        if (problem := cli.out_of_range(self)) is not None:  # the fields' choices and ranges
+        if (problem := cli.field_problem(self)) is not None:  # the fields' choices and ranges
             raise ValueError(problem)
 
 

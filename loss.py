@@ -344,7 +344,7 @@ class LossConfig:
 
     def __post_init__(self):
         """One line, naming the flag, for a setting the loss cannot run."""
-        if (problem := cli.out_of_range(self)) is not None:  # the fields' choices and ranges
+        if (problem := cli.field_problem(self)) is not None:  # the fields' choices and ranges
             raise ValueError(problem)
 
 

@@ -59,7 +59,7 @@ class SamplingConfig:
     """Same seed, same samples (per backend); None draws from the engine's RNG."""
 
     def __post_init__(self):
-        if (problem := cli.out_of_range(self)) is not None:  # the fields' ranges
+        if (problem := cli.field_problem(self)) is not None:  # the fields' ranges
             raise RolloutError(problem)
 
 

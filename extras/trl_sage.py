@@ -793,7 +793,7 @@ def check_args(args: TRLArgs, parser) -> None:
     from machinery import memory_plan
 
     for problem in (
-        cli.out_of_range(args, rules=cli.ranges(sage.Config)),  # sage.py's, for the shared flags
+        cli.field_problem(args, rules=cli.ranges(sage.Config)),  # sage.py's, for the shared flags
         cli.missing_path("--model", args.model, cli.MODEL),
         cli.missing_path("--dataset", args.dataset, cli.DATA),
     ):

@@ -12,7 +12,7 @@ line (docs/implementation.md says why argparse, not HfArgumentParser or tyro):
   command line (a value the program sets, not the user), ``{"choices": (...)}`` lists the values
   argparse accepts;
 * ``metadata={"range": ">= 1"}`` (or "> 0", "in [0, 1)", ...) is the field's range; it and the
-  choices are checked by ``out_of_range`` on every instance the command line builds, and by the
+  choices are checked by ``field_problem`` on every instance the command line builds, and by the
   chapters' dataclasses on their own;
 * ``sections`` adds the knobs of optional features, returned beside the main instance.
 
@@ -98,7 +98,7 @@ def _build(cls, given: dict):
             value = given[name]
             values[item.name] = tuple(value) if isinstance(value, list) else value
     instance = cls(**values)
-    if (problem := out_of_range(instance)) is not None:
+    if (problem := field_problem(instance)) is not None:
         raise ValueError(problem)
     return instance
 
@@ -152,19 +152,14 @@ def in_range(value: float, rule: str) -> bool:
     return value > float(bound) if operator == ">" else value >= float(bound)
 
 
-def out_of_range(instance, rules: dict[str, str] | None = None) -> str | None:
+def field_problem(instance, rules: dict[str, str] | None = None) -> str | None:
     """The one-line complaint about the first field of ``instance`` (not the nested dataclasses)
     not among its metadata's choices, or out of its range: its metadata's, else ``rules``' for
     its flag; None (unset) passes.
 
     >>> import evaluate
-    >>> out_of_range(evaluate.EvalSampling(), rules={"top-p": "in (0, 0.9]"})
+    >>> field_problem(evaluate.EvalSampling(), rules={"top-p": "in (0, 0.9]"})
     '--top-p 0.95: must be a finite number in (0, 0.9]'
-    >>> @dataclasses.dataclass
-    ... class Anchor:
-    ...     kl: str = dataclasses.field(default="none", metadata={"choices": ("reverse", "none")})
-    >>> out_of_range(Anchor(kl="sideways"))
-    "unknown --kl 'sideways': choose one of reverse, none"
     """
     for item in dataclasses.fields(instance):
         flag, value = flag_of(item), getattr(instance, item.name)
