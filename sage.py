@@ -43,9 +43,9 @@ from task.problems import PromptSampler, build_prompt_ids, load_rows, training_p
 
 # ---- Configuration: one typed dataclass, a docstring per field, parsed once --------------------
 
-# --algo presets are plain flags placed before the user's, so the user's win. BNPO is the
-# Beta-normalized advantage; DAPO is clip-higher, the global token mean and dynamic sampling.
-# The paper runs both without KL (a guide keeps its anchor: a preset's --kl none is then dropped).
+# --algo presets are plain flags placed before the user's, so the user's win (``preset_flags``).
+# BNPO is the Beta-normalized advantage; DAPO is clip-higher, the global token mean and dynamic
+# sampling. The paper runs both without KL.
 PRESETS = {
     "grpo": [],
     "dr_grpo": ["--advantage", "dr_grpo", "--loss-agg", "dr_grpo"],
@@ -176,10 +176,28 @@ EPILOG = (
 )
 
 
+def preset_flags(algo: str | None, guide: str) -> list[str]:
+    """The flags of the --algo preset ``algo`` (none for an unknown one: the parser refuses it).
+    SAGE: a guide acts only through the KL anchor, so with a guide on, the preset's --kl none is
+    dropped and the guide keeps its anchor.
+
+    >>> preset_flags("dapo", guide="none")
+    ['--loss-agg', 'dapo', '--eps-high', '0.28', '--kl', 'none', '--dynamic-sampling']
+    >>> preset_flags("dapo", guide="branch")
+    ['--loss-agg', 'dapo', '--eps-high', '0.28', '--dynamic-sampling']
+    """
+    flags = PRESETS.get(algo, [])
+    if guide != "none" and "--kl" in flags:
+        at = flags.index("--kl")
+        flags = flags[:at] + flags[at + 2 :]
+    return flags
+
+
 def parse_config(argv: list[str] | None = None) -> Config:
     """The command line -> Config: the --algo preset's flags, then the user's (which win)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    argv = cli.expand_preset(argv, PRESETS, default_guide=guides.GuideConfig.name)
+    chosen = cli.peek(argv, algo=Config.algo, guide=guides.GuideConfig.name)
+    argv = [*preset_flags(chosen["algo"], guide=chosen["guide"]), *argv]
     config, sections, parser = cli.parse_config(
         Config,
         argv,

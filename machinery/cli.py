@@ -195,7 +195,7 @@ def ranges(*classes) -> dict[str, str]:
     return found
 
 
-# ---- One line for bad input, and the --algo presets ------------------------------------------
+# ---- One line for bad input, and the flags read first --------------------------------------------
 
 
 def run(main) -> None:
@@ -207,26 +207,18 @@ def run(main) -> None:
         sys.exit(f"error: {error}")
 
 
-def expand_preset(argv: list[str], presets: dict, default_guide: str = "none") -> list[str]:
-    """The user's flags after their --algo preset's flags, so that the user's win. A guide acts
-    only through the KL anchor, so a preset's ``--kl none`` is dropped when a guide is on
-    (``default_guide`` when --guide is not given).
+def peek(argv: list[str], **defaults: str) -> dict[str, str | None]:
+    """The values of a few flags (``defaults``: each flag's name and its value when absent), read
+    from ``argv`` before the full parse and leaving the rest alone (a flag given without its
+    value reads None: the full parser then says so).
 
-    >>> presets = {"b": ["--advantage", "x", "--kl", "none"]}
-    >>> expand_preset(["--algo", "b", "--guide=branch"], presets)
-    ['--advantage', 'x', '--algo', 'b', '--guide=branch']
-    >>> expand_preset(["--algo", "b", "--guide", "none"], presets, default_guide="branch")
-    ['--advantage', 'x', '--kl', 'none', '--algo', 'b', '--guide', 'none']
+    >>> peek(["--algo", "dapo", "--steps", "5"], algo="grpo", guide="branch")
+    {'algo': 'dapo', 'guide': 'branch'}
     """
-    first = argparse.ArgumentParser(add_help=False)  # --algo and --guide, the rest left alone
-    first.add_argument("--algo", nargs="?")  # (a missing value: the full parser says so)
-    first.add_argument("--guide", nargs="?", default=default_guide)
-    chosen = first.parse_known_args(argv)[0]
-    preset = presets.get(chosen.algo, [])  # no --algo (grpo's), or an unknown one: none
-    if chosen.guide != "none" and "--kl" in preset:
-        at = preset.index("--kl")
-        preset = preset[:at] + preset[at + 2 :]
-    return [*preset, *argv]
+    first = argparse.ArgumentParser(add_help=False)
+    for name, default in defaults.items():
+        first.add_argument(f"--{name}", nargs="?", default=default)
+    return vars(first.parse_known_args(argv)[0])
 
 
 # ---- What a flag's value names: local files, the reward, this machine's torch ------------------
