@@ -232,9 +232,7 @@ def start_run(config: Config) -> tuple[str, float | None]:
     # On CUDA a run that cannot fit ends here; one that fits gets its forecast peak (no plan on CPU)
     forecast_gb = None
     if torch.cuda.is_available():
-        from extras.hf_engine import sampling_bytes  # --backend hf's forecast, for the plan
-
-        forecast_gb = memory_plan.before_loading(config, needs_reference(config), sampling_bytes)
+        forecast_gb = memory_plan.before_loading(config, with_reference=needs_reference(config))
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     return run_dir, forecast_gb

@@ -25,7 +25,6 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from machinery.memory_plan import kv_bytes_per_token
 from machinery.vllm_backend import check_prompts, context_length, load_model_config
 from rollout import Completion, RolloutError, SamplingConfig, engine_weights, group_completions
 
@@ -260,25 +259,3 @@ def make_engine(
     return HFEngine(
         model_path, max_model_len=max_model_len, dtype=dtype, seed=seed, model=model, **kwargs
     )
-
-
-def sampling_bytes(model_config, config, dtype: torch.dtype) -> dict:
-    """What ``generate`` holds while --backend hf samples a step (one call, every prompt's G
-    copies at once), beside the trainer's weights: the memory plan's forecast of this backend,
-    which sage.py passes to it. ``kv_cache``: the keys and values of every row at --max-seq-len
-    tokens in the trainer's dtype; ``peak``: the larger of the prefill's and the last token's.
-    The prefill holds the prompts' cache and, in each layer's MLP, four [rows x prompt,
-    intermediate] tensors (the activated gate, the up projection and its LoRA term, their
-    product); the last token holds the whole cache, one layer's K once more (its cache grows by
-    concatenation) and five float32 [rows, vocab] copies of the logits (the cast, the processors,
-    the recorded log-softmax, the sampling softmax)."""
-    text = model_config.get_text_config()
-    rows = config.prompts_per_step * config.rollouts
-    size = dtype.itemsize
-    per_token = kv_bytes_per_token(model_config) // 2 * size  # (counted for bf16)
-    kv_cache = rows * config.max_seq_len * per_token
-    prefill = rows * config.max_prompt_len * (per_token + 4 * text.intermediate_size * size)
-    last_token = (
-        kv_cache + kv_cache // (2 * text.num_hidden_layers) + 5 * rows * text.vocab_size * 4
-    )
-    return {"kv_cache": kv_cache, "peak": max(prefill, last_token), "rows": rows}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 
-from extras import hf_engine
 from machinery import memory_plan
 
 CARDS_GB = (24, 40, 48, 80, 141)  # the cards bench/memory_table.py tabulates
@@ -21,9 +20,7 @@ def plan(config, card_bytes: int, with_reference: bool, update: dict | None = No
     share, the run's peak, the verdict, the largest micro-batch that fits and the fix. The
     update's bytes are the formula's, or ``update`` (extras/memory_sim.py's simulation of this
     config, whose check the formula is); the plan reports the formula's peak either way."""
-    peaks = memory_plan.forecast(
-        config, card_bytes, with_reference, hf_engine.sampling_bytes, update
-    )
+    peaks = memory_plan.forecast(config, card_bytes, with_reference, update=update)
     update, engine, sampling = peaks["update"], peaks["engine"], peaks["sampling"]
     largest = memory_plan.largest_micro_batch(peaks, config, with_reference)
 

@@ -9,8 +9,8 @@ and ``python -m extras.memory_sim`` simulates the update with sage.py's own step
 formula's check (within 5% at the paper's shapes, tests/test_memory_plan.py). Beside the update
 the forecast counts the engine (``size_engine``: it sleeps during the update, so the run's peak
 is the larger of the update's and the trainer's resident bytes beside the awake engine), with
---backend hf what ``generate`` holds instead (extras/hf_engine.py's ``sampling_bytes``, passed in
-by the caller), and with --eval-solution-key the support probe (``probe_activations``).
+--backend hf what ``generate`` holds instead (``hf_sampling_bytes``), and with
+--eval-solution-key the support probe (``probe_activations``).
 
 Error: allocator rounding, fragmentation and CUDA workspaces (cuBLAS, the CUDA context) are not
 counted; 5% of the card is kept free for them (``GPU_HEADROOM``). A card of N GB is N x 10^9
@@ -276,14 +276,36 @@ def trainer_dtype(config) -> torch.dtype:
     return torch.float32 if config.full_finetune else torch.bfloat16
 
 
+def hf_sampling_bytes(model_config, config, dtype: torch.dtype) -> dict:
+    """What ``generate`` holds while --backend hf samples a step (one call, every prompt's G
+    copies at once), beside the trainer's weights: the memory plan's forecast of this backend,
+    which sage.py passes to it. ``kv_cache``: the keys and values of every row at --max-seq-len
+    tokens in the trainer's dtype; ``peak``: the larger of the prefill's and the last token's.
+    The prefill holds the prompts' cache and, in each layer's MLP, four [rows x prompt,
+    intermediate] tensors (the activated gate, the up projection and its LoRA term, their
+    product); the last token holds the whole cache, one layer's K once more (its cache grows by
+    concatenation) and five float32 [rows, vocab] copies of the logits (the cast, the processors,
+    the recorded log-softmax, the sampling softmax)."""
+    text = model_config.get_text_config()
+    rows = config.prompts_per_step * config.rollouts
+    size = dtype.itemsize
+    per_token = kv_bytes_per_token(model_config) // 2 * size  # (counted for bf16)
+    kv_cache = rows * config.max_seq_len * per_token
+    prefill = rows * config.max_prompt_len * (per_token + 4 * text.intermediate_size * size)
+    last_token = (
+        kv_cache + kv_cache // (2 * text.num_hidden_layers) + 5 * rows * text.vocab_size * 4
+    )
+    return {"kv_cache": kv_cache, "peak": max(prefill, last_token), "rows": rows}
+
+
 def probe_activations(model_config, config, dtype: torch.dtype) -> dict:
     """What ``evaluate.support_probe`` holds beyond the trainer's resident bytes, with no
     gradient: a teacher-forced forward pass over --micro-batch-size B problems of --max-seq-len
     L tokens, y* at most the completion budget C = L - --max-prompt-len long.
 
     ``layer``: the forward pass holds one layer's activations at a time, each token's hidden
-    state in and out and four [intermediate] tensors of its MLP (as extras/hf_engine.py's
-    ``sampling_bytes`` counts them), in the trainer's dtype. ``logits``: after it,
+    state in and out and four [intermediate] tensors of its MLP (as ``hf_sampling_bytes`` counts
+    them), in the trainer's dtype. ``logits``: after it,
     ``fast_logprobs.completion_logits``'s [B, C, V] logits in the trainer's dtype and, inside
     ``loss.token_logps_and_entropies`` with min-p (its first call; the second, without min-p,
     holds less), six float32 [B, C, V] tensors at once (z masked, the full log-softmax, the
@@ -301,16 +323,14 @@ def probe_activations(model_config, config, dtype: torch.dtype) -> dict:
     return {"layer": layer, "logits": logits, "peak": max(layer, logits)}
 
 
-def forecast(
-    config, card_bytes: int, with_reference: bool, hf_sampling, update: dict | None = None
-) -> dict:
+def forecast(config, card_bytes: int, with_reference: bool, update: dict | None = None) -> dict:
     """The run's bytes on a card of ``card_bytes``: the update's (``update``, extras/memory_sim.py's
     simulation of this config, else the formula's), the engine's beside it (``size_engine``, with
     ``engine_problem``, the reason it cannot have a share, or ""), generate's with --backend hf
-    (``hf_sampling``: extras/hf_engine.py's ``sampling_bytes``), the support probe's with
-    --eval-solution-key and --eval-every (``probe_counted``), the run's peak and whether it
-    ``fits``, and ``trainer_peak``: the trainer's own share, what a run's logged peaks measure
-    (runs.PhaseTimer subtracts what the engine keeps counted)."""
+    (``hf_sampling_bytes``), the support probe's with --eval-solution-key and --eval-every
+    (``probe_counted``), the run's peak and whether it ``fits``, and ``trainer_peak``: the
+    trainer's own share, what a run's logged peaks measure (runs.PhaseTimer subtracts what the
+    engine keeps counted)."""
     model_config = read_model_config(config.model)
     dtype = trainer_dtype(config)
     formula = estimate_update_peak(model_config, config, dtype, with_reference)
@@ -335,7 +355,7 @@ def forecast(
         except CheckError as error:
             engine_problem = str(error)
     engine["kv_cache"] = engine["sequences"] * config.max_seq_len * kv_bytes_per_token(model_config)
-    sampling = hf_sampling(model_config, config, dtype)
+    sampling = hf_sampling_bytes(model_config, config, dtype)
     hf_peak = max(update["peak"], resident + sampling["peak"])  # --backend hf's
     awake = resident + (engine["share"] or 0.0) * card_bytes
     run_peak = hf_peak if config.backend == "hf" else max(update["peak"], awake)
@@ -433,14 +453,14 @@ def card_of(config) -> int:
     return 80 * 10**9
 
 
-def before_loading(config, with_reference: bool, hf_sampling) -> float:
+def before_loading(config, with_reference: bool) -> float:
     """On CUDA, before the model loads: a run that cannot fit is refused with one line naming the
     flag to change; a run that fits says nothing and gets the trainer's forecast peak in GB (the
     run's logger compares it with the peaks measured, the engine's counted bytes left out). The
     update's peak is the formula's (``estimate_update_peak``): no simulation runs on the run's
-    path. ``hf_sampling``: --backend hf's forecast (extras/hf_engine.py's ``sampling_bytes``)."""
+    path."""
     card_bytes = card_of(config)
-    peaks = forecast(config, card_bytes, with_reference, hf_sampling)
+    peaks = forecast(config, card_bytes, with_reference)
     if peaks["fits"]:
         return round(peaks["trainer_peak"] / 1e9, 2)
     raise SystemExit(f"error: the run {does_not_fit(peaks, config, card_bytes, with_reference)}")

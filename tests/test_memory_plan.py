@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 import evaluate
 import sage
-from extras import hf_engine, memory_report, memory_sim
+from extras import memory_report, memory_sim
 from machinery import memory_plan, models, vllm_backend
 
 TINY_SHAPE = dict(
@@ -182,9 +182,8 @@ def test_a_cuda_run_that_cannot_fit_is_refused_before_the_model_loads(
     # The same run on a card it fits says nothing and goes on.
     fits = run_config(model=tiny_config_dir, backend="hf")
     fits.extras["memory"] = memory_plan.PlanConfig(gpu_gb=card_gb * 10)
-    forecast_gb = memory_plan.before_loading(  # its forecast, for the run's logger
-        fits, sage.needs_reference(fits), hf_engine.sampling_bytes
-    )
+    # its forecast, for the run's logger
+    forecast_gb = memory_plan.before_loading(fits, sage.needs_reference(fits))
     assert forecast_gb is not None and 0 <= forecast_gb < card_gb
 
 
@@ -193,10 +192,10 @@ def test_the_engine_share_that_cannot_fit_names_its_flags(tiny_config_dir, monke
     config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=2)  # the engine alone needs > 2 GB
     with pytest.raises(SystemExit, match="lower --max-seq-len or use a larger GPU, or pass "):
         # --backend hf: its plan fits (no engine)
-        memory_plan.before_loading(config, sage.needs_reference(config), hf_engine.sampling_bytes)
+        memory_plan.before_loading(config, sage.needs_reference(config))
     config.full_finetune = True  # the trainer's float32 state is what crowds the engine out
     with pytest.raises(SystemExit, match="use a larger GPU, or drop --full-finetune"):
-        memory_plan.before_loading(config, sage.needs_reference(config), hf_engine.sampling_bytes)
+        memory_plan.before_loading(config, sage.needs_reference(config))
 
 
 def test_a_full_finetune_is_one_refusal_on_cuda_and_a_weights_check_where_no_plan_runs(
@@ -210,7 +209,7 @@ def test_a_full_finetune_is_one_refusal_on_cuda_and_a_weights_check_where_no_pla
     config = sage.Config(model=str(tmp_path), full_finetune=True)
     config.extras["memory"] = memory_plan.PlanConfig(gpu_gb=80)
     with pytest.raises(SystemExit) as refused:
-        memory_plan.before_loading(config, sage.needs_reference(config), hf_engine.sampling_bytes)
+        memory_plan.before_loading(config, sage.needs_reference(config))
     message = str(refused.value)
     assert message.endswith("alone take 121.8 GB: drop --full-finetune (LoRA, the paper's setting)")
     assert "--max-seq-len" not in message and "--backend hf" not in message
@@ -262,7 +261,7 @@ def test_a_step_whose_kv_cache_does_not_fit_samples_in_waves(tmp_path):
     Qwen2Config(**SEVEN_B_SHAPE).save_pretrained(tmp_path)
     model_config = memory_plan.read_model_config(str(tmp_path))
     long_run = sage.Config(model=str(tmp_path), max_seq_len=8192)
-    peaks = memory_plan.forecast(long_run, 48 * 10**9, True, hf_engine.sampling_bytes)
+    peaks = memory_plan.forecast(long_run, 48 * 10**9, True)
     engine, resident = peaks["engine"], peaks["update"]["resident"]
     assert not peaks["engine_problem"] and 1 <= engine["sequences"] < 64
     assert engine["waves"] == math.ceil(64 / engine["sequences"])
@@ -275,7 +274,7 @@ def test_a_step_whose_kv_cache_does_not_fit_samples_in_waves(tmp_path):
     assert awake + margin <= usable < awake + per_sequence + margin
     assert engine["share"] * 48e9 >= engine["weights"] + engine["working"] + engine["kv_cache"]
     paper_run = sage.Config(model=str(tmp_path), max_seq_len=2048)
-    peaks = memory_plan.forecast(paper_run, 80 * 10**9, True, hf_engine.sampling_bytes)
+    peaks = memory_plan.forecast(paper_run, 80 * 10**9, True)
     assert peaks["engine"]["sequences"] == 64 and peaks["engine"]["waves"] == 1
 
 
