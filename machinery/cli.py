@@ -134,7 +134,7 @@ def positional(**kwargs):
     return dataclasses.field(default_factory=list, metadata={"positional": True}, **kwargs)
 
 
-# ---- Ranges: declared on the fields, checked here ---------------------------------------------
+# ---- Choices and ranges: declared on the fields, checked here ---------------------------------
 
 
 def in_range(value: float, rule: str) -> bool:
@@ -195,7 +195,7 @@ def ranges(*classes) -> dict[str, str]:
     return found
 
 
-# ---- One line for bad input, and the flags read first --------------------------------------------
+# ---- One line for bad input, and the flags read first -----------------------------------------
 
 
 def run(main) -> None:
