@@ -187,7 +187,7 @@ def preset_flags(algo: str | None, guide: str) -> list[str]:
     ['--loss-agg', 'dapo', '--eps-high', '0.28', '--dynamic-sampling']
     """
     flags = PRESETS.get(algo, [])
-    if guide != "none" and "--kl" in flags:
+    if guide != "none" and "--kl" in flags:  # SAGE: the guide keeps its anchor
         at = flags.index("--kl")
         flags = flags[:at] + flags[at + 2 :]
     return flags
