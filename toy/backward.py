@@ -366,8 +366,9 @@ def token_guide_fixed_point(
 
     Eq. 4 with a per-completion factor is Eq. 4 with the reward r + beta log q(y): each step
     solves ``fixed_point`` (``sampler_fixed_point`` with ``tail``) with that reward, from q at
-    pi_ref, until q settles (every completion's log q moves by at most 1e-12, or their mean
-    under the policy by at most 1e-11). ``token_mask`` [B, T]: the tokens the trainer would see
+    pi_ref, the next q accelerated from the last rounds (``AndersonHistory``), until q settles
+    (every completion's log q moves by at most 1e-12, or their mean under the policy by at most
+    1e-11). ``token_mask`` [B, T]: the tokens the trainer would see
     (default every token of the tree). Returns (theta [P], log q(y) [B]); raises if q does not
     settle."""
     mask = tree.completion_mask if token_mask is None else token_mask
@@ -380,6 +381,7 @@ def token_guide_fixed_point(
 
     log_q = completion_log_q(ref_theta)
     no_q = torch.zeros(tree.num_params, dtype=DTYPE)
+    history = AndersonHistory(depth=3)
     for _ in range(iterations):
         shaped = rewards.to(DTYPE) + beta * log_q
         if tail is None:
@@ -394,5 +396,38 @@ def token_guide_fixed_point(
         expected_change = (tree.sequence_logps(theta).exp() * change).sum()
         if change.max() <= 1e-12 or expected_change <= 1e-11:
             return theta, new_log_q
-        log_q = new_log_q
+        log_q = history.next(log_q, new_log_q)
     raise ValueError("the token guide's q did not settle")
+
+
+class AndersonHistory:
+    """Anderson acceleration of a fixed-point iteration x <- G(x) (Walker and Ni, 2011): the
+    next x is G(x) less the combination of the last ``depth`` rounds' changes in G that best
+    cancels the residual G(x) - x. Plain iteration of the token guide's q contracts by as little
+    as 0.99 a round where the policy almost never writes a completion; with the last three
+    rounds it settles in a few dozen (the same fixed point: the residual is what stops it).
+
+    >>> history, x = AndersonHistory(depth=3), torch.zeros(2, dtype=torch.float64)
+    >>> for _ in range(2):  # G(x) = 0.99 x + 0.01, fixed at 1
+    ...     x = history.next(x, 0.99 * x + 0.01)
+    >>> bool((x - 1).abs().max() < 1e-12)  # plain rounds: about 2,750 to get there
+    True
+    """
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.points: list[torch.Tensor] = []  # the last depth + 1 x's, each [B]
+        self.values: list[torch.Tensor] = []  # and their G(x)'s
+
+    def next(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """The next x after a round that mapped ``x`` to ``g`` = G(x), both [B]."""
+        self.points = [*self.points, x][-(self.depth + 1) :]
+        self.values = [*self.values, g][-(self.depth + 1) :]
+        if len(self.points) == 1:
+            return g  # a plain round, until there is a change to combine
+        values = torch.stack(self.values, dim=1)  # [B, m + 1]
+        residuals = values - torch.stack(self.points, dim=1)
+        d_residuals, d_values = residuals.diff(dim=1), values.diff(dim=1)  # [B, m]
+        gamma = torch.linalg.lstsq(d_residuals, residuals[:, -1:]).solution  # [m, 1]
+        accelerated = g - (d_values @ gamma).squeeze(-1)
+        return accelerated if torch.isfinite(accelerated).all() else g
