@@ -485,21 +485,22 @@ def collect_rollouts(engine, task: Task, config: Config, step: int, timer):
                 step=step,
                 sample=sample,
             )
-    sampled = config.prompts_per_step
     without_signal = int((~informative_groups(rewards, config.rollouts)).sum())
+    metrics["frac_zero_signal_groups"] = without_signal / config.prompts_per_step
     if config.extras["dynamic_sampling"].dynamic_sampling:  # extras/dynamic_sampling.py
         from extras import dynamic_sampling
 
-        rollouts, rewards, (sampled, without_signal) = dynamic_sampling.refill(
+        rollouts, rewards, refilled = dynamic_sampling.refill(
             task.sampler,
             task.problems,
-            first=(rollouts, rewards, (sampled, without_signal)),
+            rollouts=rollouts,
+            rewards=rewards,
             config=config,
             step=step,
             sample=timed_sample,
             informative=informative_groups,
         )
-    metrics["frac_zero_signal_groups"] = without_signal / max(1, sampled)
+        metrics |= refilled  # the fraction over every round's groups
     return rollouts, rewards, metrics
 
 

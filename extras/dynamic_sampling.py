@@ -31,15 +31,17 @@ def overlong_penalty_of(rollouts, config) -> torch.Tensor:
     return overlong_penalty(lengths, max_len, config.extras["dynamic_sampling"].overlong_buffer)
 
 
-def refill(sampler, problems: list[dict], first: tuple, config, step: int, sample, informative):
+def refill(
+    sampler, problems: list[dict], rollouts, rewards, config, step: int, sample, informative
+):
     """Keep the groups with signal and sample fresh prompts until the step is full.
 
-    ``first`` is (rollouts, rewards, (groups sampled, groups without signal)) of the step's first
-    round; ``sample(chosen problems, seed)`` gives (rollouts, rewards) of a round, the rollouts a
-    ``sage.Rollouts``; ``informative(rewards, group_size)`` flags the groups with signal. Returns
-    the same three for the step's kept rollouts (at most prompts x G rows).
+    ``rollouts`` (a ``sage.Rollouts``) and ``rewards`` [N] are the step's first round;
+    ``sample(chosen problems, seed)`` gives (rollouts, rewards) of a further round;
+    ``informative(rewards, group_size)`` flags the groups with signal. Returns the step's kept
+    rollouts and rewards (at most prompts x G rows) and its frac_zero_signal_groups, over every
+    round's groups.
     """
-    rollouts, rewards, (num_groups, num_zero_signal) = first
     group_size, wanted = config.rollouts, config.prompts_per_step * config.rollouts
     kept = [(rollouts, rewards, informative(rewards, group_size))]
     for refill_round in range(1, config.extras["dynamic_sampling"].max_refill_rounds + 1):
@@ -47,10 +49,7 @@ def refill(sampler, problems: list[dict], first: tuple, config, step: int, sampl
             break
         chosen = [problems[i] for i in sampler.take(config.prompts_per_step)]
         more, more_rewards = sample(chosen, rollout.rollout_seed(config.seed, step, refill_round))
-        more_informative = informative(more_rewards, group_size)
-        num_groups += config.prompts_per_step
-        num_zero_signal += int((~more_informative).sum())
-        kept.append((more, more_rewards, more_informative))
+        kept.append((more, more_rewards, informative(more_rewards, group_size)))
     rows = [
         [g * group_size + i for g in flags.nonzero().flatten().tolist() for i in range(group_size)]
         for _, _, flags in kept
@@ -61,4 +60,6 @@ def refill(sampler, problems: list[dict], first: tuple, config, step: int, sampl
         [part_rewards[part_rows] for (_, part_rewards, _), part_rows in zip(kept, rows)]
     )
     rollouts = rollouts.select(list(range(min(len(rewards), wanted))))
-    return rollouts, rewards[:wanted], (num_groups, num_zero_signal)
+    without_signal = sum(int((~flags).sum()) for _, _, flags in kept)
+    groups = len(kept) * config.prompts_per_step
+    return rollouts, rewards[:wanted], {"frac_zero_signal_groups": without_signal / groups}

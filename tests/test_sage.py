@@ -15,7 +15,7 @@ import loss
 import sage
 from extras import demo, dynamic_sampling, sft
 from machinery import cli, fast_logprobs, runs
-from task.problems import DataError, format_completion, load_rows
+from task.problems import DataError, PromptSampler, format_completion, load_rows
 
 
 def test_paper_defaults_for_model_runs():
@@ -181,6 +181,55 @@ def test_overlong_penalty_and_informative_groups():
     torch.testing.assert_close(penalty, torch.tensor([0.0, 0.0, -0.5, -1.0, -1.0]))
     rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])
     assert sage.informative_groups(rewards, 2).tolist() == [False, True, False]
+
+
+@pytest.mark.parametrize("max_rounds", [4, 1])
+def test_dynamic_sampling_keeps_the_groups_with_signal_and_refills_the_step(max_rounds):
+    """--dynamic-sampling: a group whose rewards are all equal is dropped and fresh prompts are
+    sampled until the step holds prompts x G rows of groups with signal, or --max-refill-rounds
+    ends it; frac_zero_signal_groups counts every round's groups. Here 2 prompts x G = 2: the
+    first round has one group with signal, the second none, the third one."""
+    flags = ["--model", "m", "--prompts-per-step", "2", "--rollouts", "2", "--dynamic-sampling"]
+    config = sage.parse_config([*flags, "--max-refill-rounds", str(max_rounds)])
+    problems = [{"problem": f"p{i}", "answer": "1", "prompt_ids": [10 + i]} for i in range(6)]
+
+    def rollouts_of(chosen):
+        rows = [problem for problem in chosen for _ in range(2)]
+        return sage.Rollouts(
+            prompt_ids=[p["prompt_ids"] for p in rows],
+            completion_ids=[[5]] * 4,
+            texts=["x"] * 4,
+            finish_reasons=["stop"] * 4,
+            engine_logps=[[0.0]] * 4,
+            problems=[p["problem"] for p in rows],
+            answers=[p["answer"] for p in rows],
+        )
+
+    later_rounds = iter([torch.tensor([0.0, 0.0, 1.0, 1.0]), torch.tensor([1.0, 0.0, 0.0, 0.0])])
+    drawn = []
+
+    def sample(chosen, seed):
+        drawn.append(chosen)
+        return rollouts_of(chosen), next(later_rounds)
+
+    rollouts, rewards, metrics = dynamic_sampling.refill(
+        PromptSampler(len(problems), seed=0),
+        problems,
+        rollouts=rollouts_of(problems[:2]),
+        rewards=torch.tensor([0.0, 0.0, 1.0, 0.0]),  # only the second group has signal
+        config=config,
+        step=0,
+        sample=sample,
+        informative=sage.informative_groups,
+    )
+    if max_rounds == 4:  # the first round's second group, then the third round's first
+        assert len(drawn) == 2 and rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+        assert rollouts.problems == ["p1", "p1", drawn[1][0]["problem"], drawn[1][0]["problem"]]
+        assert metrics["frac_zero_signal_groups"] == pytest.approx(4 / 6)
+    else:  # one refill round, without signal: the step trains on the one group it has
+        assert len(drawn) == 1 and rewards.tolist() == [1.0, 0.0]
+        assert rollouts.problems == ["p1", "p1"]
+        assert metrics["frac_zero_signal_groups"] == pytest.approx(3 / 4)
 
 
 def _rollouts(num_groups, group_size, seed=0):
