@@ -278,14 +278,13 @@ def trainer_dtype(config) -> torch.dtype:
 
 def hf_sampling_bytes(model_config, config, dtype: torch.dtype) -> dict:
     """What ``generate`` holds while --backend hf samples a step (one call, every prompt's G
-    copies at once), beside the trainer's weights: the memory plan's forecast of this backend,
-    which sage.py passes to it. ``kv_cache``: the keys and values of every row at --max-seq-len
-    tokens in the trainer's dtype; ``peak``: the larger of the prefill's and the last token's.
-    The prefill holds the prompts' cache and, in each layer's MLP, four [rows x prompt,
-    intermediate] tensors (the activated gate, the up projection and its LoRA term, their
-    product); the last token holds the whole cache, one layer's K once more (its cache grows by
-    concatenation) and five float32 [rows, vocab] copies of the logits (the cast, the processors,
-    the recorded log-softmax, the sampling softmax)."""
+    copies at once; extras/hf_engine.py), beside the trainer's weights. ``kv_cache``: the keys
+    and values of every row at --max-seq-len tokens in the trainer's dtype; ``peak``: the larger
+    of the prefill's and the last token's. The prefill holds the prompts' cache and, in each
+    layer's MLP, four [rows x prompt, intermediate] tensors (the activated gate, the up
+    projection and its LoRA term, their product); the last token holds the whole cache, one
+    layer's K once more (its cache grows by concatenation) and five float32 [rows, vocab] copies
+    of the logits (the cast, the processors, the recorded log-softmax, the sampling softmax)."""
     text = model_config.get_text_config()
     rows = config.prompts_per_step * config.rollouts
     size = dtype.itemsize

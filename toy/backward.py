@@ -368,9 +368,8 @@ def token_guide_fixed_point(
     solves ``fixed_point`` (``sampler_fixed_point`` with ``tail``) with that reward, from q at
     pi_ref, the next q accelerated from the last rounds (``AndersonHistory``), until q settles
     (every completion's log q moves by at most 1e-12, or their mean under the policy by at most
-    1e-11). ``token_mask`` [B, T]: the tokens the trainer would see
-    (default every token of the tree). Returns (theta [P], log q(y) [B]); raises if q does not
-    settle."""
+    1e-11). ``token_mask`` [B, T]: the tokens the trainer would see (default every token of the
+    tree). Returns (theta [P], log q(y) [B]); raises if q does not settle."""
     mask = tree.completion_mask if token_mask is None else token_mask
 
     def completion_log_q(theta):
