@@ -18,7 +18,8 @@ line (docs/implementation.md says why argparse, not HfArgumentParser or tyro):
 
 Bad input ends in argparse's usage and one line, ``prog: error: ...``, naming the flag and the
 fix; then ``check_config`` refuses the combinations that cannot run, missing local paths, a reward
-that does not import and a torch that cannot use this machine's GPU.
+that does not import, a tracker that is unknown or not installed, and a torch that cannot use
+this machine's GPU.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from collections.abc import Sequence
 import docstring_parser
 
 from machinery import UsageError
-from task.grading import RewardError, load_reward_function
+from task.grading import load_reward_function
 from task.problems import LOCAL_FORMATS
 
 
@@ -283,9 +284,12 @@ def check_config(config, error) -> None:
     for path in paths:
         if problem := missing_path(*path):
             error(problem)
-    try:  # --reward's module and signature now, so that a typo costs no model load
+    from machinery import runs
+
+    try:  # --reward's module and --report-to's trackers now: a typo costs no model load
         load_reward_function(config.reward)
-    except RewardError as problem:
+        runs.parse_report_to(config.report_to)
+    except UsageError as problem:
         error(str(problem))
     if problem := torch_build_problem():
         error(problem)

@@ -201,7 +201,7 @@ TRACKERS = ("jsonl", "tensorboard", "wandb")
 
 def parse_report_to(spec: str) -> list[str]:
     """The trackers ``--report-to`` names, jsonl always among them; a name that is not a tracker,
-    or whose package is not installed, is refused."""
+    or whose package is not installed, is refused (``cli.check_config`` asks before any load)."""
     names = {"jsonl", *(name.strip() for name in spec.split(",") if name.strip())}
     for name in names - {"jsonl"}:
         if name not in TRACKERS:

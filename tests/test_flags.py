@@ -89,6 +89,7 @@ TYPED = [
     ["--reward", "nosuchmod:f"],
     ["--beta", "nan"],
     ["--max-seq-len", "-5"],
+    ["--report-to", "jsonl,mlflow"],
 ]
 
 
