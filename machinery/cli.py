@@ -37,6 +37,7 @@ from collections.abc import Sequence
 import docstring_parser
 
 from machinery import UsageError
+from task import problems
 from task.grading import load_reward_function
 from task.problems import LOCAL_FORMATS
 
@@ -244,6 +245,25 @@ def missing_path(flag: str, path: str, what: str) -> str | None:
     return None
 
 
+def benchmark_problem(flag: str, spec: str) -> str | None:
+    """The one line for the first of a comma-separated list of benchmarks that is neither a name
+    of ``task.problems.BENCHMARKS`` nor a local data file that exists, else None.
+
+    >>> benchmark_problem("--benchmarks", "aime, amc23") is None
+    True
+    >>> benchmark_problem("--benchmarks", "amc")  # doctest: +ELLIPSIS
+    '--benchmarks amc: unknown benchmark; name one of aime, amc23, ..., or a local data file'
+    """
+    for entry in filter(None, (part.strip() for part in spec.split(","))):
+        local = os.path.splitext(entry)[1].lower() in LOCAL_FORMATS
+        if local and (problem := missing_path(flag, entry, BENCHMARKS)):
+            return problem
+        if not local and entry not in problems.BENCHMARKS:
+            known = ", ".join(problems.BENCHMARKS)
+            return f"{flag} {entry}: unknown benchmark; name one of {known}, or a local data file"
+    return None
+
+
 def check_config(config, error) -> None:
     """Call ``error(message)`` for the first setting of ``config`` (a ``sage.Config``, its ranges
     and choices checked as it was built) that cannot run."""
@@ -279,11 +299,11 @@ def check_config(config, error) -> None:
         )
     paths = [("--model", config.model, MODEL), ("--dataset", config.dataset, DATA)]
     paths += [("--sft-dataset", sft.sft_dataset, DATA)]
-    benchmarks = evaluation.eval_benchmarks.split(",")
-    paths += [("--eval-benchmarks", name.strip(), BENCHMARKS) for name in benchmarks]
     for path in paths:
         if problem := missing_path(*path):
             error(problem)
+    if problem := benchmark_problem("--eval-benchmarks", evaluation.eval_benchmarks):
+        error(problem)
     from machinery import runs
 
     try:  # --reward's module and --report-to's trackers now: a typo costs no model load
@@ -308,9 +328,9 @@ def check_eval_args(args) -> str | None:
             "that it measures the distribution the sampler draws from"
         )
     paths = [("--model", args.model, MODEL), ("--adapter", args.adapter or "", "a peft adapter")]
-    paths += [("--benchmarks", name.strip(), BENCHMARKS) for name in args.benchmarks.split(",")]
     missing = (missing_path(*path) for path in paths)
-    return next(filter(None, missing), None) or torch_build_problem()
+    benchmark = benchmark_problem("--benchmarks", args.benchmarks)
+    return next(filter(None, missing), None) or benchmark or torch_build_problem()
 
 
 def nvidia_gpu_visible() -> bool:

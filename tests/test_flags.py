@@ -63,6 +63,7 @@ def test_the_sweep_covers_every_numeric_flag():
         (["--dataset", "/no/such/train.jsonl"], "--dataset /no/such/train.jsonl: no such file"),
         (["--sft-dataset", "./no/such.jsonl"], "--sft-dataset ./no/such.jsonl: no such file"),
         (["--eval-benchmarks", "aime,/no/such.jsonl"], "--eval-benchmarks /no/such.jsonl: no such"),
+        (["--eval-every", "5", "--eval-benchmarks", "aimee"], "--eval-benchmarks aimee: unknown"),
         (["--reward", "/no/such/reward.py:f"], "no file"),
         (["--reward", "nosuchmod_xyz:f"], "cannot import 'nosuchmod_xyz'"),
         (["--max-prompt-len", "600", "--max-seq-len", "512"], "--max-prompt-len must be below"),
@@ -173,6 +174,17 @@ def test_evaluate_refuses_an_unknown_solution_format_as_argparse_does(capsys):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert stop.value.code == 2
     assert last.startswith("evaluate.py: error: argument --solution-format: invalid choice: 'raw'")
+
+
+def test_an_unknown_benchmark_is_one_line_before_any_model_loads(capsys):
+    """A benchmark that is neither a known name nor a local data file: evaluate.py and sage.py say
+    so before the model loads (a 7B takes minutes to load)."""
+    import evaluate
+
+    code = evaluate.main(["--model", "m", "--benchmarks", "aime,amc,math500-l5"])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(error) == 1
+    assert error[0].startswith("evaluate.py: error: --benchmarks amc: unknown benchmark; name one")
 
 
 def test_a_cpu_torch_beside_an_nvidia_gpu_is_refused_by_every_entry_point(
