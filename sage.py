@@ -322,11 +322,11 @@ class Learner:
     pad_id: int
 
 
-def load_policy(config: Config, base_path: str) -> tuple[Learner, Any]:
-    """(the Learner, the tokenizer): LoRA adapters on the model at ``base_path``, whose reference
-    pi_ref is that model with the adapters off (no copy; a frozen copy only with
-    --full-finetune); AdamW with linear warmup and decay (Table 8)."""
-    model, tokenizer = models.load_base_model(
+def load_policy(config: Config, base_path: str, pad_id: int) -> Learner:
+    """LoRA adapters on the model at ``base_path``, whose reference pi_ref is that model with the
+    adapters off (no copy; a frozen copy only with --full-finetune); AdamW with linear warmup and
+    decay (Table 8); ``pad_id``, the tokenizer's, pads the update's batches."""
+    model = models.load_base_model(
         base_path,
         gradient_checkpointing=config.gradient_checkpointing,
         full_finetune=config.full_finetune,
@@ -346,8 +346,7 @@ def load_policy(config: Config, base_path: str) -> tuple[Learner, Any]:
         warmup_steps=int(config.warmup_ratio * config.steps),
     )
     generator = torch.Generator().manual_seed(config.seed)
-    learner = Learner(policy, reference, optimizer, scheduler, generator, tokenizer.pad_token_id)
-    return learner, tokenizer
+    return Learner(policy, reference, optimizer, scheduler, generator, pad_id)
 
 
 def start_engine(config: Config, base_path: str, learner: Learner):
@@ -750,11 +749,13 @@ def main(argv: list[str] | None = None) -> dict:
         from extras import sft
 
         base_path = sft.warm_start(config, run_dir, wrap_lora=wrap_lora)
-    # ---- the policy, pi_ref and AdamW; the problems and the reward; the engine ----
-    learner, tokenizer = load_policy(config, base_path)
+    # ---- the problems and the reward (before the model: a bad --answer-key costs no load) ----
+    tokenizer = models.load_tokenizer(base_path)
     task = load_task(config, tokenizer)
     held_out = evaluate.training_benchmarks(config) if config.eval.eval_every > 0 else {}
-    runs.save_run_config(run_dir, config)  # the run can start: model, data and reward loaded
+    # ---- the policy, pi_ref and AdamW; the engine ----
+    learner = load_policy(config, base_path, pad_id=tokenizer.pad_token_id)
+    runs.save_run_config(run_dir, config)  # the run can start: data, reward and model loaded
     policy, optimizer, scheduler = learner.policy, learner.optimizer, learner.scheduler
     state = (policy, optimizer, scheduler, task.sampler, learner.guide_generator)  # checkpointed
     start = runs.restore_or_start(config.resume, run_dir, state=state)

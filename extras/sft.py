@@ -148,7 +148,8 @@ def warm_start(config, run_dir: str, wrap_lora) -> str:
     settings, final = config.extras["sft"], os.path.join(run_dir, "sft_model")
     if config.resume and os.path.exists(os.path.join(final, "config.json")):
         return final
-    model, tokenizer = models.load_base_model(config.model, config.gradient_checkpointing)
+    tokenizer = models.load_tokenizer(config.model)
+    model = models.load_base_model(config.model, config.gradient_checkpointing)
     rows = load_rows(settings.sft_dataset, settings.sft_dataset_config, settings.sft_split)
     examples, not_numeric = sft_examples(
         rows,

@@ -144,26 +144,37 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, 32 * 2**20)) and bool(mallopt(M_TRIM_THRESHOLD, 2**30))
 
 
+def load_tokenizer(path: str):
+    """The tokenizer of a hub name or a local directory, padding with EOS where it names no pad
+    token; one line if it does not load."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise SystemExit(cannot_load(path, error)) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_base_model(path: str, gradient_checkpointing: bool = False, full_finetune: bool = False):
-    """The base model and tokenizer from a hub name or a local directory, on the GPU if there is
-    one, in its dtype; one line if it does not load."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The base model from a hub name or a local directory, on the GPU if there is one, in its
+    dtype; one line if it does not load."""
+    from transformers import AutoModelForCausalLM
 
     device, dtype = device_and_dtype(full_finetune)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attention_implementation(dtype)
         )
     except (OSError, ValueError) as error:
         raise SystemExit(cannot_load(path, error)) from None
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     if device.type == "cpu":
         keep_freed_memory()
-    return model.to(device), tokenizer
+    return model.to(device)
 
 
 def make_optimizer(model, lr: float, weight_decay: float, total_steps: int, warmup_steps: int):

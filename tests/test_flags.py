@@ -234,3 +234,35 @@ def test_a_cuda_torch_that_sees_no_gpu_is_refused_where_there_is_one(monkeypatch
 def test_hiding_every_gpu_on_purpose_is_no_visible_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert not cli.nvidia_gpu_visible()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--answer-key", "solution"], "has no field 'solution' (fields: answer, problem)"),
+        (
+            ["--eval-every", "1", "--eval-benchmarks", "held.jsonl", "--eval-solution-key", "w"],
+            "--eval-solution-key w: no problem of held has a reference solution in that field",
+        ),
+    ],
+)
+def test_a_field_the_data_lacks_is_one_line_before_the_model_loads(
+    argv, message, tiny_model_dir, tmp_path, monkeypatch
+):
+    """A flag naming a field of the data (--answer-key, --eval-solution-key) can only be checked
+    against the data, which loads before the model does: a typo costs the tokenizer's load, not
+    a 7B's."""
+    from machinery import models
+
+    def load_base_model(*args, **kwargs):
+        raise AssertionError("the model loaded")
+
+    monkeypatch.setattr(models, "load_base_model", load_base_model)
+    rows = "".join(f'{{"problem": "{n} + 1?", "answer": "{n + 1}"}}\n' for n in range(4))
+    (tmp_path / "train.jsonl").write_text(rows)
+    (tmp_path / "held.jsonl").write_text(rows)
+    monkeypatch.chdir(tmp_path)
+    data = ["--model", str(tiny_model_dir), "--dataset", "train.jsonl", "--problem-key", "problem"]
+    with pytest.raises(cli.UsageError, match=re.escape(message)):
+        sage.main([*data, "--answer-key", "answer", *argv, "--out", str(tmp_path / "runs")])
+    assert not (tmp_path / "runs").exists()

@@ -63,14 +63,14 @@ def test_sage_evaluate_and_the_plan_load_the_short_name_as_org_name(
     class Loaded(Exception):
         pass
 
-    def load_policy(config, base_path):
+    def load_tokenizer(base_path):  # the first of the model's files a run loads
         raise Loaded(base_path)
 
     def read_model_config(name):  # on CUDA, what the plan reads before the model loads
         raise Loaded(name)
 
     read_the_config = memory_plan.read_model_config  # the real one, for the last check
-    monkeypatch.setattr(sage, "load_policy", load_policy)
+    monkeypatch.setattr(models, "load_tokenizer", load_tokenizer)
     monkeypatch.setattr(memory_plan, "read_model_config", read_model_config)
     monkeypatch.setattr(memory_plan, "card_of", lambda config: 80 * 10**9)  # on CUDA: an 80 GB card
     for device in ("cpu", "cuda"):  # the plan runs on CUDA only: both halves, forced
@@ -148,7 +148,8 @@ def test_gradient_checkpointing_keeps_the_lora_gradient(tmp_path, monkeypatch, f
     model_dir = demo.save_tiny_model(tmp_path / "model", max_position_embeddings=160)
     gradients = []
     for checkpointing in (False, True):
-        model, tokenizer = models.load_base_model(model_dir, gradient_checkpointing=checkpointing)
+        model = models.load_base_model(model_dir, gradient_checkpointing=checkpointing)
+        tokenizer = models.load_tokenizer(model_dir)
         # float64 (float64_qwen2: throughout): float32's bound over a forward and backward pass
         # is too loose
         model.double()
