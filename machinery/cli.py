@@ -364,13 +364,19 @@ def torch_build_problem() -> str | None:
 
 
 def check_run_dir(run_dir: str, config, with_reference: bool) -> None:
-    """Before anything loads, and before the memory plan (these are cheaper and say more): a
-    checkpoint is continued only with --resume, --resume needs one, and on the CPU (no plan) the
-    weights of a --full-finetune model (and its reference, ``with_reference``) must fit the RAM."""
+    """Before anything loads, and before the memory plan (these are cheaper and say more): the
+    run directory can be made, a checkpoint is continued only with --resume, --resume needs one,
+    and on the CPU (no plan) the weights of a --full-finetune model (and its reference,
+    ``with_reference``) must fit the RAM."""
     import torch
 
     from machinery import memory_plan, runs
 
+    existing = os.path.abspath(run_dir)
+    while not os.path.isdir(existing):  # the nearest directory the run's would be made in
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SystemExit(f"error: --out {config.out}: {existing} is not writable; pass another")
     checkpoint = runs.checkpoint_dir(run_dir)
     if os.path.exists(checkpoint) and not config.resume:
         raise SystemExit(

@@ -266,3 +266,25 @@ def test_a_field_the_data_lacks_is_one_line_before_the_model_loads(
     with pytest.raises(cli.UsageError, match=re.escape(message)):
         sage.main([*data, "--answer-key", "answer", *argv, "--out", str(tmp_path / "runs")])
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_out_that_cannot_be_written_is_one_line(tiny_model_dir, tmp_path, monkeypatch):
+    """--out where the run directory cannot be made: one line before anything loads where the OS
+    says it may not be written (made to say so here: root may write anywhere), else one line
+    when the directory is made (here, under a file)."""
+    from machinery import models
+
+    rows = "".join(f'{{"problem": "{n} + 1?", "answer": "{n + 1}"}}\n' for n in range(4))
+    (tmp_path / "train.jsonl").write_text(rows)
+    (tmp_path / "a-file").write_text("")
+    data = ["--model", str(tiny_model_dir), "--dataset", str(tmp_path / "train.jsonl")]
+    data += ["--problem-key", "problem", "--answer-key", "answer"]
+    with monkeypatch.context() as patched, pytest.raises(SystemExit) as refused:
+        patched.setattr(os, "access", lambda path, mode: False)
+        patched.setattr(models, "load_tokenizer", None)  # (it would fail if called)
+        sage.main([*data, "--out", str(tmp_path / "runs")])
+    message = str(refused.value)
+    assert re.fullmatch(r"error: --out \S+/runs: \S+ is not writable; pass another", message)
+    with pytest.raises(SystemExit) as refused:
+        sage.main([*data, "--out", str(tmp_path / "a-file" / "runs")])
+    assert re.fullmatch(r"error: cannot write \S+ \(.*\); pass another --out", str(refused.value))
