@@ -149,7 +149,6 @@ def warm_start(config, run_dir: str, wrap_lora) -> str:
     if config.resume and os.path.exists(os.path.join(final, "config.json")):
         return final
     tokenizer = models.load_tokenizer(config.model)
-    model = models.load_base_model(config.model, config.gradient_checkpointing)
     rows = load_rows(settings.sft_dataset, settings.sft_dataset_config, settings.sft_split)
     examples, not_numeric = sft_examples(
         rows,
@@ -160,7 +159,8 @@ def warm_start(config, run_dir: str, wrap_lora) -> str:
     )
     max_tokens = settings.sft_max_tokens or config.max_seq_len // 2
     pairs, stats = tokenize_sft_examples(tokenizer, examples, max_tokens, settings.sft_max_samples)
-    runs.save_run_config(run_dir, config)  # the SFT stage can start: its model and data loaded
+    model = models.load_base_model(config.model, config.gradient_checkpointing)  # data first
+    runs.save_run_config(run_dir, config)  # the SFT stage can start: its data and model loaded
     runs.write_json_atomic(
         os.path.join(run_dir, "sft_stats.json"), {**stats, "dropped_not_numeric": not_numeric}
     )

@@ -282,6 +282,8 @@ def check_config(config, error) -> None:
         error(f"--guide {guide} acts only through the KL anchor: use --kl reverse with --beta > 0")
     if sft.sft_only and not sft.sft_dataset:
         error("--sft-only needs --sft-dataset")
+    if config.extras["hints"].self_hints and not config.extras["hints"].solution_key:
+        error("--self-hints needs --solution-key, the training data's field of reference solutions")
     if evaluation.eval_every > 0 and not evaluation.eval_benchmarks:
         error(
             "--eval-every needs --eval-benchmarks (names such as aime, or local .jsonl files with "

@@ -120,7 +120,10 @@ def training_problems(
 ) -> list[dict]:
     """The first ``limit`` rows (0: all) as {problem, answer} (and the reference ``solution`` of
     ``solution_key``, "" where a row has none); a row without an answer is an error."""
-    require_fields(rows, (problem_key, answer_key), where, "--problem-key / --answer-key")
+    keys, flags = (problem_key, answer_key), "--problem-key / --answer-key"
+    if solution_key:  # self-hints' reference solutions
+        keys, flags = (*keys, solution_key), f"{flags} / --solution-key"
+    require_fields(rows, keys, where, flags)
     problems = []
     for index, row in enumerate(rows[: limit or None]):
         answer = row.get(answer_key)

@@ -70,6 +70,7 @@ def test_the_sweep_covers_every_numeric_flag():
         (["--overlong-buffer", "5000"], "--overlong-buffer must be below the completion budget"),
         (["--eval-every", "10"], "--eval-every needs --eval-benchmarks"),
         (["--eval-solution-key", "w", "--top-p", "0.9"], "not top-p or top-k; train with"),
+        (["--self-hints"], "--self-hints needs --solution-key"),
         (
             ["--eval-solution-format", "raw"],
             "argument --eval-solution-format: invalid choice: 'raw'",
@@ -239,7 +240,9 @@ def test_hiding_every_gpu_on_purpose_is_no_visible_gpu(monkeypatch):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--answer-key", "solution"], "has no field 'solution' (fields: answer, problem)"),
+        (["--answer-key", "sol"], "no field 'sol' (fields: answer, generated_solution, problem)"),
+        (["--self-hints", "--solution-key", "sol"], "has no field 'sol'"),
+        (["--sft-dataset", "train.jsonl", "--sft-answer-key", "nope"], "has no field 'nope'"),
         (
             ["--eval-every", "1", "--eval-benchmarks", "held.jsonl", "--eval-solution-key", "w"],
             "--eval-solution-key w: no problem of held has a reference solution in that field",
@@ -249,16 +252,19 @@ def test_hiding_every_gpu_on_purpose_is_no_visible_gpu(monkeypatch):
 def test_a_field_the_data_lacks_is_one_line_before_the_model_loads(
     argv, message, tiny_model_dir, tmp_path, monkeypatch
 ):
-    """A flag naming a field of the data (--answer-key, --eval-solution-key) can only be checked
-    against the data, which loads before the model does: a typo costs the tokenizer's load, not
-    a 7B's."""
+    """A flag naming a field of the data (--answer-key, --solution-key, --eval-solution-key, the
+    SFT data's) can only be checked against the data, which loads before the model does: a typo
+    costs the tokenizer's load, not a 7B's."""
     from machinery import models
 
     def load_base_model(*args, **kwargs):
         raise AssertionError("the model loaded")
 
     monkeypatch.setattr(models, "load_base_model", load_base_model)
-    rows = "".join(f'{{"problem": "{n} + 1?", "answer": "{n + 1}"}}\n' for n in range(4))
+    rows = "".join(
+        f'{{"problem": "{n} + 1?", "answer": "{n + 1}", "generated_solution": "+1"}}\n'
+        for n in range(4)
+    )
     (tmp_path / "train.jsonl").write_text(rows)
     (tmp_path / "held.jsonl").write_text(rows)
     monkeypatch.chdir(tmp_path)

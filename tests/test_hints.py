@@ -156,7 +156,7 @@ def run_collect(self_hints: bool, answers=("12", "18")):
             "1200",
             "--max-prompt-len",
             "1000",
-            *(["--self-hints"] if self_hints else []),
+            *(["--self-hints", "--solution-key", "solution"] if self_hints else []),
         ]
     )
     graded = []
