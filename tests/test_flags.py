@@ -3,6 +3,7 @@ no run directory. The sweep takes every numeric flag from the ranges in the fiel
 a flag given a range is swept too; the subprocess cases are the ones a user types."""
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -294,3 +295,32 @@ def test_an_out_that_cannot_be_written_is_one_line(tiny_model_dir, tmp_path, mon
     with pytest.raises(SystemExit) as refused:
         sage.main([*data, "--out", str(tmp_path / "a-file" / "runs")])
     assert re.fullmatch(r"error: cannot write \S+ \(.*\); pass another --out", str(refused.value))
+
+
+def test_a_resume_with_other_flags_is_refused_where_the_weights_cannot_load_else_named(
+    tmp_path, capsys
+):
+    """--resume continues a checkpoint exactly with the flags it was started with: a change of
+    the trained tensors' shapes is one line before anything loads (it was a traceback from
+    load_state_dict after the model had loaded), any other change a warning naming it, and the
+    run's length and records change without a word."""
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoint").mkdir(parents=True)
+    (run_dir / "checkpoint" / "trainer_state.pt").write_bytes(b"")
+    flags = ["--model", "m", "--guide", "branch"]
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(sage.parse_config(flags))))
+
+    def resume(*argv) -> str:
+        config = sage.parse_config([*flags, "--resume", *argv])
+        cli.check_run_dir(str(run_dir), config, with_reference=True)
+        return capsys.readouterr().err
+
+    assert resume("--steps", "2000", "--stop-after", "5", "--report-to", "tensorboard") == ""
+    warned = resume("--lr", "1e-05", "--random-eps", "0.2", "0.1")
+    assert warned == (
+        "warning: --resume with --random-eps (0.2, 0.1) (was [0.1, 0.0]), --lr 1e-05 (was 5e-06):"
+        " the run goes on with them\n"
+    )
+    for shaping in (["--lora-rank", "16"], ["--full-finetune"], ["--model", "other/model"]):
+        with pytest.raises(SystemExit, match=r"^error: --resume with --(lora-rank|full-f|model)"):
+            resume(*shaping)
