@@ -32,6 +32,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import typing
 from collections.abc import Sequence
 
@@ -318,6 +319,24 @@ def check_config(config, error) -> None:
         error(problem)
 
 
+def unwritable(path: str) -> str | None:
+    """The nearest existing path above ``path`` when nothing can be made in it (a file, a
+    directory without write permission, a read-only file system), else None. It is tried with a
+    nameless file, removed at once: os.access says yes to root everywhere.
+
+    >>> unwritable("/proc/no/run"), unwritable(os.path.join(os.getcwd(), "runs/new"))
+    ('/proc', None)
+    """
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            return None
+    except OSError:
+        return existing
+
+
 def check_eval_args(args) -> str | None:
     """evaluate.py's flags (an ``EvalArgs``, its ranges and choices checked as it was built) that
     cannot run, then the torch build: one line, else None."""
@@ -331,9 +350,11 @@ def check_eval_args(args) -> str | None:
             "that it measures the distribution the sampler draws from"
         )
     paths = [("--model", args.model, MODEL), ("--adapter", args.adapter or "", "a peft adapter")]
-    missing = (missing_path(*path) for path in paths)
-    benchmark = benchmark_problem("--benchmarks", args.benchmarks)
-    return next(filter(None, missing), None) or benchmark or torch_build_problem()
+    if problem := next(filter(None, (missing_path(*path) for path in paths)), None):
+        return problem
+    if blocked := unwritable(os.path.dirname(os.path.abspath(args.out))):
+        return f"--out {args.out}: cannot write in {blocked}; pass another"
+    return benchmark_problem("--benchmarks", args.benchmarks) or torch_build_problem()
 
 
 def nvidia_gpu_visible() -> bool:
@@ -424,11 +445,8 @@ def check_run_dir(run_dir: str, config, with_reference: bool) -> None:
 
     from machinery import memory_plan, runs
 
-    existing = os.path.abspath(run_dir)
-    while not os.path.isdir(existing):  # the nearest directory the run's would be made in
-        existing = os.path.dirname(existing)
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise SystemExit(f"error: --out {config.out}: {existing} is not writable; pass another")
+    if blocked := unwritable(run_dir):
+        raise SystemExit(f"error: --out {config.out}: cannot write in {blocked}; pass another")
     checkpoint = runs.checkpoint_dir(run_dir)
     if os.path.exists(checkpoint) and not config.resume:
         raise SystemExit(

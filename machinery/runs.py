@@ -110,10 +110,7 @@ def save_model_atomic(model, tokenizer, final: str) -> str:
 def save_run_config(run_dir: str, config) -> None:
     """Create the run directory and save the run's config.json in it: only once the run can
     start (its model, data and reward have loaded), so a run refused earlier leaves nothing."""
-    try:
-        write_json_atomic(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
-    except OSError as error:  # (cli.check_run_dir refuses a directory it may not write in)
-        raise SystemExit(f"error: cannot write {run_dir} ({error}); pass another --out") from None
+    write_json_atomic(os.path.join(run_dir, "config.json"), dataclasses.asdict(config))
 
 
 # --------------------------------------------------------------------------------------------

@@ -275,26 +275,27 @@ def test_a_field_the_data_lacks_is_one_line_before_the_model_loads(
     assert not (tmp_path / "runs").exists()
 
 
-def test_an_out_that_cannot_be_written_is_one_line(tiny_model_dir, tmp_path, monkeypatch):
-    """--out where the run directory cannot be made: one line before anything loads where the OS
-    says it may not be written (made to say so here: root may write anywhere), else one line
-    when the directory is made (here, under a file)."""
+def test_an_out_that_cannot_be_written_is_one_line_before_anything_loads(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """--out where nothing can be written (here under a file, or /proc): sage.py and evaluate.py
+    say so in one line before anything loads; it was a traceback after the model had loaded
+    (sage.py) or after the first seed's samples (evaluate.py)."""
+    import evaluate
     from machinery import models
 
-    rows = "".join(f'{{"problem": "{n} + 1?", "answer": "{n + 1}"}}\n' for n in range(4))
-    (tmp_path / "train.jsonl").write_text(rows)
+    monkeypatch.setattr(models, "load_tokenizer", None)  # (it would fail if called)
     (tmp_path / "a-file").write_text("")
-    data = ["--model", str(tiny_model_dir), "--dataset", str(tmp_path / "train.jsonl")]
-    data += ["--problem-key", "problem", "--answer-key", "answer"]
-    with monkeypatch.context() as patched, pytest.raises(SystemExit) as refused:
-        patched.setattr(os, "access", lambda path, mode: False)
-        patched.setattr(models, "load_tokenizer", None)  # (it would fail if called)
-        sage.main([*data, "--out", str(tmp_path / "runs")])
-    message = str(refused.value)
-    assert re.fullmatch(r"error: --out \S+/runs: \S+ is not writable; pass another", message)
-    with pytest.raises(SystemExit) as refused:
-        sage.main([*data, "--out", str(tmp_path / "a-file" / "runs")])
-    assert re.fullmatch(r"error: cannot write \S+ \(.*\); pass another --out", str(refused.value))
+    for out in (tmp_path / "a-file" / "runs", "/proc/runs"):
+        with pytest.raises(SystemExit) as refused:
+            sage.main(["--model", str(tiny_model_dir), "--out", str(out)])
+        assert re.fullmatch(
+            rf"error: --out {out}: cannot write in \S+; pass another", str(refused.value)
+        )
+        argv = ["--model", str(tiny_model_dir), "--out", f"{out}/results.json"]
+        assert evaluate.main(argv) == 2
+        said = capsys.readouterr().err.strip().splitlines()
+        assert len(said) == 1 and said[0].startswith(f"evaluate.py: error: --out {out}/results")
 
 
 def test_a_resume_with_other_flags_is_refused_where_the_weights_cannot_load_else_named(
