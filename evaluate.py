@@ -322,16 +322,19 @@ def evaluation_rows(engine, tokenizer, benchmarks: dict, n: int, seed: int, samp
 
 def training_benchmarks(config) -> dict:
     """What a sage.py run's --eval-every evaluates, when it is on: {name: [Problem]}
-    (cli.check_config insists on benchmarks then). With --eval-solution-key every benchmark must
-    hold a reference solution in that field, the support probe's input: else one line naming the
-    flag. Loaded before the run directory is written, so a bad file leaves nothing behind."""
+    (cli.check_config insists on benchmarks then), the support probe's fields checked
+    (``check_probe_fields``). Loaded before the model and the run directory, so a bad file or
+    field costs no model load and leaves nothing behind."""
+    evaluation = config.eval
     resolved = resolve_benchmarks(
-        config.eval.eval_benchmarks,
-        solution_key=config.eval.eval_solution_key,
-        group_key=config.eval.eval_group_key,
+        evaluation.eval_benchmarks,
+        solution_key=evaluation.eval_solution_key,
+        group_key=evaluation.eval_group_key,
     )
     benchmarks = {name: problems for name, (_, problems) in resolved.items()}
-    check_solutions(benchmarks, config.eval.eval_solution_key, flag="--eval-solution-key")
+    check_probe_fields(
+        benchmarks, evaluation.eval_solution_key, evaluation.eval_group_key, flags="--eval-"
+    )
     return benchmarks
 
 
@@ -700,15 +703,23 @@ def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
     return results
 
 
-def check_solutions(benchmarks: dict, solution_key: str, flag: str = "--solution-key") -> None:
-    """With ``solution_key`` named, every benchmark of {name: problems} must hold a reference
-    solution in that field, the support probe's input: else one line naming ``flag``."""
+def check_probe_fields(benchmarks: dict, solution_key: str, group_key: str, flags="--") -> None:
+    """The support probe's fields, where named: every benchmark of {name: problems} must hold a
+    reference solution in ``solution_key`` (the probe's input), and some problem a group in
+    ``group_key`` (its summaries); else one line naming the flag (``flags``: "--eval-" for
+    sage.py's, "--" for evaluate.py's)."""
     for name, problems in benchmarks.items():
         if solution_key and not any(problem.solution for problem in problems):
             raise EvalError(
-                f"{flag} {solution_key}: no problem of {name} has a reference solution in that "
-                "field; name the field that holds one"
+                f"{flags}solution-key {solution_key}: no problem of {name} has a reference "
+                "solution in that field; name the field that holds one"
             )
+    every = [problem for problems in benchmarks.values() for problem in problems]
+    if group_key and not any(problem.group for problem in every):
+        raise EvalError(
+            f"{flags}group-key {group_key}: no problem has a group in that field; name the field "
+            "that holds one"
+        )
 
 
 def probe_benchmarks(args: EvalArgs, benchmarks: dict, results: dict) -> None:
@@ -716,7 +727,7 @@ def probe_benchmarks(args: EvalArgs, benchmarks: dict, results: dict) -> None:
     {name: problems}, at the evaluation's temperature and min-p, into ``results``."""
     from transformers import AutoTokenizer
 
-    check_solutions(benchmarks, args.solution_key)  # before the model loads
+    check_probe_fields(benchmarks, args.solution_key, args.group_key)  # before the model loads
     model = files.load_merged_model(args.model, args.adapter, args.dtype)
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -248,6 +248,10 @@ def test_hiding_every_gpu_on_purpose_is_no_visible_gpu(monkeypatch):
             ["--eval-every", "1", "--eval-benchmarks", "held.jsonl", "--eval-solution-key", "w"],
             "--eval-solution-key w: no problem of held has a reference solution in that field",
         ),
+        (
+            ["--eval-every", "1", "--eval-benchmarks", "held.jsonl", "--eval-group-key", "level"],
+            "--eval-group-key level: no problem has a group in that field",
+        ),
     ],
 )
 def test_a_field_the_data_lacks_is_one_line_before_the_model_loads(

@@ -1,6 +1,7 @@
 """The support probe (evaluate.py, section 3): log pi(y*|x) of a known solution, exactly."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -146,3 +147,7 @@ def test_evaluate_cli_probes_the_saved_model_and_names_a_missing_solution_field(
     without = [Problem(problem="Add 2 and 3.", answer="5")]
     with pytest.raises(evaluate.EvalError, match="--solution-key working: no problem of bare"):
         evaluate.probe_benchmarks(args, {"bare": without}, results)
+    ungrouped = [dataclasses.replace(problem, group="") for problem in PROBLEMS]
+    grouped = dataclasses.replace(args, group_key="level")  # a field these rows do not have
+    with pytest.raises(evaluate.EvalError, match="--group-key level: no problem has a group"):
+        evaluate.probe_benchmarks(grouped, {"sums": ungrouped}, results)
