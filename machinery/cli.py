@@ -387,60 +387,15 @@ def torch_build_problem() -> str | None:
     )
 
 
-# What a resumed run may change without a word: how long it runs and what it writes.
-RUN_CONTROL = {"steps", "stop-after", "save-every", "eval-every", "report-to", "resume", "out"}
-# What shapes the checkpoint's tensors: a run that changes one cannot load them.
-SHAPING = {"model", "full-finetune", "lora-rank"}
-
-
-def changed_flags(instance, saved: dict) -> dict[str, tuple]:
-    """{flag: (its value in ``saved``, in ``instance``)} for each flag whose value differs
-    between a dataclass and the dict ``dataclasses.asdict`` made of another (a run's config.json),
-    nested dataclasses and the extras' sections included.
-
-    >>> import rollout
-    >>> changed_flags(rollout.SamplingConfig(n=4), {"n": 8, "min_p": 0.01})
-    {'n': (8, 4)}
-    """
-    changed = {}
-    for item in dataclasses.fields(instance):
-        value, before = getattr(instance, item.name), saved.get(item.name)
-        if dataclasses.is_dataclass(value):
-            changed |= changed_flags(value, before or {})
-        elif isinstance(value, dict):  # Config.extras: {name: its section}
-            for name, section in value.items():
-                changed |= changed_flags(section, (before or {}).get(name, {}))
-        elif flag_of(item) and item.name in saved and before != value:
-            if not (isinstance(value, tuple) and list(value) == before):  # (JSON's lists)
-                changed[flag_of(item)] = (before, value)
-    return changed
-
-
-def check_resumed_flags(config, saved: dict) -> None:
-    """A resumed run continues its checkpoint exactly only with the flags it was started with
-    (``saved``, its config.json): one that changes the checkpoint's shapes is refused in one line
-    (it could not load the tensors), any other change but the run's length and records gets a
-    warning that names it."""
-    changed = {f: v for f, v in changed_flags(config, saved).items() if f not in RUN_CONTROL}
-    said = {flag: f"--{flag} {now} (was {before})" for flag, (before, now) in changed.items()}
-    if shaping := [said[flag] for flag in changed if flag in SHAPING]:
-        raise SystemExit(
-            f"error: --resume with {', '.join(shaping)}: the checkpoint's weights have the shapes "
-            "of the flags it was started with (its config.json); resume with those, or pass "
-            "--name for a new run"
-        )
-    if changed:
-        print(
-            f"warning: --resume with {', '.join(said.values())}: the run goes on with them",
-            file=sys.stderr,
-        )
+# The flags that shape a checkpoint's tensors: a run resumed with others cannot load them.
+SHAPING = ("model", "full_finetune", "lora_rank")
 
 
 def check_run_dir(run_dir: str, config, with_reference: bool) -> None:
     """Before anything loads, and before the memory plan (these are cheaper and say more): the
-    run directory can be made, a checkpoint is continued only with --resume, --resume needs one,
-    and on the CPU (no plan) the weights of a --full-finetune model (and its reference,
-    ``with_reference``) must fit the RAM."""
+    run directory can be made, a checkpoint is continued only with --resume, --resume needs one
+    and the flags that shaped it, and on the CPU (no plan) the weights of a --full-finetune model
+    (and its reference, ``with_reference``) must fit the RAM."""
     import torch
 
     from machinery import memory_plan, runs
@@ -457,9 +412,19 @@ def check_run_dir(run_dir: str, config, with_reference: bool) -> None:
         raise SystemExit(
             f"error: --resume but no checkpoint in {checkpoint}; drop --resume to start fresh"
         )
-    if config.resume:
+    if config.resume:  # with the flags that shaped its checkpoint (the run's config.json)
         with open(os.path.join(run_dir, "config.json")) as handle:
-            check_resumed_flags(config, saved=json.load(handle))
+            saved = json.load(handle)
+        changed = [name for name in SHAPING if saved[name] != getattr(config, name)]
+        said = [
+            f"--{name.replace('_', '-')} {getattr(config, name)} (was {saved[name]})"
+            for name in changed
+        ]
+        if said:
+            raise SystemExit(
+                f"error: --resume with {', '.join(said)}: the checkpoint's tensors have the shapes "
+                "of the flags the run started with; resume with those, or pass --name for a new run"
+            )
     if config.full_finetune and not torch.cuda.is_available():
         memory_plan.check_full_finetune_fits(
             config.model, with_reference=with_reference, with_engine=config.backend == "vllm"
