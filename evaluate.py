@@ -35,7 +35,6 @@ import guides
 import loss
 import rollout
 from machinery import cli, fast_logprobs, models
-from machinery import results as files
 from machinery.runs import write_json_atomic
 from task.grading import GRADERS, default_pool, grade_batch, grading_pool
 from task.problems import DataError, build_prompt_ids, resolve_benchmarks, sft_completion
@@ -642,6 +641,7 @@ def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
     """The CLI's work: load benchmarks, skip finished (benchmark, seed) pairs of an existing
     --out, sample and grade the rest (one engine call per seed over all benchmarks), write the
     results file atomically after every seed. Returns the results dict."""
+    from machinery import results as files  # the CLI's results file (sage.py never loads it)
 
     seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
     if args.n < 1 or not seeds:
@@ -726,6 +726,8 @@ def probe_benchmarks(args: EvalArgs, benchmarks: dict, results: dict) -> None:
     """The support probe (section 3) of the model (its adapter merged) on each benchmark of
     {name: problems}, at the evaluation's temperature and min-p, into ``results``."""
     from transformers import AutoTokenizer
+
+    from machinery import results as files
 
     check_probe_fields(benchmarks, args.solution_key, args.group_key)  # before the model loads
     model = files.load_merged_model(args.model, args.adapter, args.dtype)
