@@ -52,6 +52,7 @@ import subprocess
 import sys
 import time
 
+from machinery import cli
 from machinery.runs import SUBPROCESS_ENV, read_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -413,6 +414,8 @@ def parse_args(argv: list[str] | None):
         )
     if not (0.0 <= args.demo_sft_noise <= 1.0 and 0.0 <= args.demo_hard_noise <= 1.0):
         parser.error("--demo-sft-noise and --demo-hard-noise are fractions in [0, 1]")
+    if blocked := cli.unwritable(args.out):
+        parser.error(f"--out {args.out}: cannot write in {blocked}; pass another")
     # each stage's threads: the cores split between the seeds trained at once
     args.threads = max(1, (os.cpu_count() or 1) // min(args.jobs, args.seeds))
     args.gpus, args.gpu = visible_gpus(), None  # (each job's GPU is chosen as it starts)

@@ -58,6 +58,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import guides
 from extras.compare import interval, paired_difference, run
 from extras.sft import tokenize_sft_examples
+from machinery import cli
 from machinery.runs import (
     atomic_output,
     read_jsonl,
@@ -1170,6 +1171,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--judge-at {args.judge_at}: pass a step >= 1 of the finished study")
     if args.judge_at and args.token_tail_check:
         parser.error("--judge-at and --token-tail-check are two readings of a study: pass one")
+    if blocked := cli.unwritable(args.out):
+        parser.error(f"--out {args.out}: cannot write in {blocked}; pass another")
     missing = []  # what the two readings of a finished study read
     if args.judge_at:
         missing = [os.path.join(args.out, name) for name in ("summary.json", "steps.json.gz")]

@@ -326,3 +326,17 @@ def test_a_resume_that_changes_the_checkpoints_shapes_is_one_line_before_anythin
     ):
         with pytest.raises(SystemExit, match=rf"^error: --resume with {re.escape(said)}.*new run$"):
             resume(*shaping)
+
+
+def test_the_studies_and_the_demo_refuse_an_out_they_cannot_write_in_one_line(capsys):
+    """make demo (extras/two_mode.py), make demo-sums (extras/demo.py) and make compare
+    (extras/compare.py) check --out as sage.py does, before any work (they were tracebacks)."""
+    from extras import compare, demo, two_mode
+
+    for command in (two_mode.parse_args, compare.parse_args, demo.main):
+        with pytest.raises(SystemExit) as stop:
+            command(["--out", "/proc/study"])
+        said = capsys.readouterr().err.strip().splitlines()[-1]
+        assert stop.value.code == 2 and said.endswith(
+            "--out /proc/study: cannot write in /proc; pass another"
+        )
