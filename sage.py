@@ -11,8 +11,8 @@ beta times the pseudo-KL against p~ = pi_ref * q (Eqs. 3-8) -> AdamW -> weight p
 checkpoint. ``grep -n "# SAGE:" *.py`` lists every place where SAGE departs from GRPO. Left out,
 each behind its flag (extras/): the SFT warm start (App. E.2), DAPO's dynamic sampling,
 self-hints. pi_ref (``reference_mode``) is here, the padded batch (``collate``) in loss.py beside
-the log-probs, the weight push in rollout.py; from machinery/ come the reward, the model's
-loading and the run's files.
+the log-probs, the weight push in rollout.py; the problems and the reward come from task/, the
+model's loading, the flags' checks and the run's files from machinery/.
 Deviations: docs/deviations.md.
 """
 
