@@ -744,15 +744,16 @@ def evaluate_if_due(engine, policy, tokenizer, benchmarks, config: Config, logge
 def main(argv: list[str] | None = None) -> dict:
     config = parse_config(argv)
     run_dir, forecast_gb = start_run(config)
+    # ---- the problems and the reward, before any model loads (a bad --answer-key costs none) ----
+    tokenizer = models.load_tokenizer(config.model)  # (an SFT start keeps it)
+    sft_only = config.extras["sft"].sft_only  # (trains no policy: no RL data)
+    task = None if sft_only else load_task(config, tokenizer)
+    held_out = evaluate.training_benchmarks(config) if config.eval.eval_every > 0 else {}
     base_path = config.model
     if config.extras["sft"].sft_dataset:  # App. E.2: the SFT warm start (--sft-only ends there)
         from extras import sft
 
         base_path = sft.warm_start(config, run_dir, wrap_lora=wrap_lora)
-    # ---- the problems and the reward (before the model: a bad --answer-key costs no load) ----
-    tokenizer = models.load_tokenizer(base_path)
-    task = load_task(config, tokenizer)
-    held_out = evaluate.training_benchmarks(config) if config.eval.eval_every > 0 else {}
     # ---- the policy, pi_ref and AdamW; the engine ----
     learner = load_policy(config, base_path, pad_id=tokenizer.pad_token_id)
     runs.save_run_config(run_dir, config)  # the run can start: data, reward and model loaded

@@ -244,6 +244,7 @@ def test_hiding_every_gpu_on_purpose_is_no_visible_gpu(monkeypatch):
         (["--answer-key", "sol"], "no field 'sol' (fields: answer, generated_solution, problem)"),
         (["--self-hints", "--solution-key", "sol"], "has no field 'sol'"),
         (["--sft-dataset", "train.jsonl", "--sft-answer-key", "nope"], "has no field 'nope'"),
+        (["--sft-dataset", "train.jsonl", "--answer-key", "sol"], "has no field 'sol'"),
         (
             ["--eval-every", "1", "--eval-benchmarks", "held.jsonl", "--eval-solution-key", "w"],
             "--eval-solution-key w: no problem of held has a reference solution in that field",
