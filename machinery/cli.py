@@ -391,6 +391,13 @@ def torch_build_problem() -> str | None:
 SHAPING = ("model", "full_finetune", "lora_rank")
 
 
+def same_path(value):
+    """A local path as one name however it is written (./tiny, tiny/, its absolute path); any
+    other value as it is."""
+    exists = isinstance(value, str) and os.path.exists(value)
+    return os.path.realpath(value) if exists else value
+
+
 def check_run_dir(run_dir: str, config, with_reference: bool) -> None:
     """Before anything loads, and before the memory plan (these are cheaper and say more): the
     run directory can be made, a checkpoint is continued only with --resume, --resume needs one
@@ -412,13 +419,15 @@ def check_run_dir(run_dir: str, config, with_reference: bool) -> None:
         raise SystemExit(
             f"error: --resume but no checkpoint in {checkpoint}; drop --resume to start fresh"
         )
-    if config.resume:  # with the flags that shaped its checkpoint (the run's config.json)
-        with open(os.path.join(run_dir, "config.json")) as handle:
+    saved_config = os.path.join(run_dir, "config.json")
+    if config.resume and os.path.exists(saved_config):  # the flags that shaped its checkpoint
+        with open(saved_config) as handle:
             saved = json.load(handle)
-        changed = [name for name in SHAPING if saved[name] != getattr(config, name)]
+        shaping = SHAPING[:2] if config.full_finetune else SHAPING  # (no adapter: no rank)
         said = [
-            f"--{name.replace('_', '-')} {getattr(config, name)} (was {saved[name]})"
-            for name in changed
+            f"--{name.replace('_', '-')} {getattr(config, name)} (was {saved.get(name)})"
+            for name in shaping
+            if same_path(saved.get(name)) != same_path(getattr(config, name))
         ]
         if said:
             raise SystemExit(

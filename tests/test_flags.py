@@ -304,29 +304,35 @@ def test_an_out_that_cannot_be_written_is_one_line_before_anything_loads(
 
 
 def test_a_resume_that_changes_the_checkpoints_shapes_is_one_line_before_anything_loads(
-    tmp_path,
+    tmp_path, monkeypatch
 ):
     """--resume with another --lora-rank, --full-finetune or --model is refused before anything
     loads (it was a traceback from load_state_dict after the model had loaded); other flags may
-    change (a longer run, another learning rate)."""
-    run_dir = tmp_path / "run"
-    (run_dir / "checkpoint").mkdir(parents=True)
-    (run_dir / "checkpoint" / "trainer_state.pt").write_bytes(b"")
-    flags = ["--model", "m", "--guide", "branch"]
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(sage.parse_config(flags))))
+    change (a longer run, another learning rate), the model's directory may be written another
+    way, and a --full-finetune run has no rank to keep."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
 
-    def resume(*argv):
-        config = sage.parse_config([*flags, "--resume", *argv])
-        cli.check_run_dir(str(run_dir), config, with_reference=True)
+    def started(*argv):
+        run_dir = tmp_path / "run"
+        (run_dir / "checkpoint").mkdir(parents=True, exist_ok=True)
+        (run_dir / "checkpoint" / "trainer_state.pt").write_bytes(b"")
+        config = sage.parse_config(["--model", "model", *argv])
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config)))
+        return lambda *resumed: cli.check_run_dir(
+            str(run_dir), sage.parse_config(["--resume", *resumed]), with_reference=True
+        )
 
-    resume("--steps", "2000", "--lr", "1e-5", "--guide", "token")
+    resume = started("--guide", "branch")
+    resume("--model", str(tmp_path / "model") + "/", "--steps", "2000", "--lr", "1e-5")
     for shaping, said in (
-        (["--lora-rank", "16"], "--lora-rank 16 (was 8)"),
-        (["--full-finetune"], "--full-finetune True (was False)"),
-        (["--model", "org/other", "--lora-rank", "4"], "--model org/other (was m), --lora-rank 4"),
+        (["--model", "model", "--lora-rank", "16"], "--lora-rank 16 (was 8)"),
+        (["--model", "model", "--full-finetune"], "--full-finetune True (was False)"),
+        (["--model", "org/other", "--lora-rank", "4"], "--model org/other (was model), --lora"),
     ):
         with pytest.raises(SystemExit, match=rf"^error: --resume with {re.escape(said)}.*new run$"):
             resume(*shaping)
+    started("--full-finetune")("--model", "model", "--full-finetune", "--lora-rank", "16")
 
 
 def test_the_studies_and_the_demo_refuse_an_out_they_cannot_write_in_one_line(capsys):
