@@ -352,6 +352,10 @@ def check_eval_args(args) -> str | None:
     paths = [("--model", args.model, MODEL), ("--adapter", args.adapter or "", "a peft adapter")]
     if problem := next(filter(None, (missing_path(*path) for path in paths)), None):
         return problem
+    if os.path.isdir(args.out):
+        return (
+            f"--out {args.out}: a directory; name the results file (e.g. {args.out}/results.json)"
+        )
     if blocked := unwritable(os.path.dirname(os.path.abspath(args.out))):
         return f"--out {args.out}: cannot write in {blocked}; pass another"
     return benchmark_problem("--benchmarks", args.benchmarks) or torch_build_problem()

@@ -301,6 +301,12 @@ def test_an_out_that_cannot_be_written_is_one_line_before_anything_loads(
         assert evaluate.main(argv) == 2
         said = capsys.readouterr().err.strip().splitlines()
         assert len(said) == 1 and said[0].startswith(f"evaluate.py: error: --out {out}/results")
+    assert evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path)]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == [
+        f"evaluate.py: error: --out {tmp_path}: a directory; name the results file "
+        f"(e.g. {tmp_path}/results.json)"
+    ]
 
 
 def test_a_resume_that_changes_the_checkpoints_shapes_is_one_line_before_anything_loads(
