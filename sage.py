@@ -216,10 +216,10 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 def start_run(config: Config) -> tuple[str, float | None]:
     """The model's short name resolved, then <out>/<name> checked, the cheapest and most
-    specific check first: a checkpoint needs --resume, a --full-finetune's weights must fit, then
-    (on CUDA) the memory plan's estimate, whose forecast peak in GB comes back with the run
-    directory (None on the CPU); seed; no write. --plan-memory prints the plan and ends the
-    program first."""
+    specific check first: it can be written, a checkpoint needs --resume and the flags that
+    shaped it, a --full-finetune's weights must fit, then (on CUDA) the memory plan's estimate,
+    whose forecast peak in GB comes back with the run directory (None on the CPU); seed; no
+    write. --plan-memory prints the plan and ends the program first."""
     config.model = models.resolve_model(config.model)  # Qwen2.5-Math-7B -> Qwen/Qwen2.5-Math-7B
     if config.extras["memory"].plan_memory:  # the forecast, then the end
         from extras import memory_report
