@@ -356,8 +356,12 @@ def check_eval_args(args) -> str | None:
         return (
             f"--out {args.out}: a directory; name the results file (e.g. {args.out}/results.json)"
         )
-    if blocked := unwritable(os.path.dirname(os.path.abspath(args.out))):
-        return f"--out {args.out}: cannot write in {blocked}; pass another"
+    outputs = [("--out", args.out, os.path.dirname(os.path.abspath(args.out)))]
+    if args.save_completions:  # a directory, made if missing
+        outputs.append(("--save-completions", args.save_completions, args.save_completions))
+    for flag, given, directory in outputs:
+        if blocked := unwritable(directory):
+            return f"{flag} {given}: cannot write in {blocked}; pass another"
     return benchmark_problem("--benchmarks", args.benchmarks) or torch_build_problem()
 
 

@@ -301,6 +301,10 @@ def test_an_out_that_cannot_be_written_is_one_line_before_anything_loads(
         assert evaluate.main(argv) == 2
         said = capsys.readouterr().err.strip().splitlines()
         assert len(said) == 1 and said[0].startswith(f"evaluate.py: error: --out {out}/results")
+        argv = ["--model", str(tiny_model_dir), "--save-completions", f"{out}/samples"]
+        assert evaluate.main([*argv, "--out", str(tmp_path / "results.json")]) == 2
+        said = capsys.readouterr().err.strip().splitlines()
+        assert said[0].startswith(f"evaluate.py: error: --save-completions {out}/samples: cannot")
     assert evaluate.main(["--model", str(tiny_model_dir), "--out", str(tmp_path)]) == 2
     said = capsys.readouterr().err.strip().splitlines()
     assert said == [
