@@ -110,9 +110,15 @@ def read_completions(paths: Sequence[str]) -> dict[tuple[str, int], dict]:
     merged: dict[tuple[str, int], dict] = {}
     for path in paths:
         with open(path) as handle:
-            for line in handle:
-                row = json.loads(line)
-                key = (row["benchmark"], row["problem_index"])
+            for number, line in enumerate(handle, start=1):
+                try:
+                    row = json.loads(line)
+                    key = (row["benchmark"], row["problem_index"])
+                except (ValueError, KeyError, TypeError):  # (JSONDecodeError is a ValueError)
+                    raise AnalysisError(
+                        f"{path} line {number} is not a row of evaluate.py --save-completions; "
+                        "pass the files it wrote"
+                    ) from None
                 if key in merged:
                     merged[key]["completions"] += row["completions"]
                 else:
@@ -165,7 +171,14 @@ def plot_results(entries: Sequence[str], out: str) -> None:
     for entry in entries:
         label, path = _split_label(entry)
         with open(path) as handle:
-            results = json.load(handle)
+            try:
+                results = json.load(handle)
+            except ValueError:
+                results = None
+        if not isinstance(results, dict) or "benchmarks" not in results:
+            raise AnalysisError(
+                f"{path} is not a results file of evaluate.py; pass the --out of an evaluation"
+            )
         model = results.get("model", {})
         label = (
             label
