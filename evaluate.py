@@ -833,7 +833,6 @@ def evaluate_and_report(args: EvalArgs) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-
     argv = list(sys.argv[1:] if argv is None else argv)
     errors = (EvalError, DataError, models.ModelError, rollout.RolloutError)  # one line each
     if argv and argv[0] in ANALYSES:  # figures and tables from saved files
@@ -849,6 +848,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if problem := cli.check_eval_args(args):
                 raise EvalError(problem)  # before any model or benchmark loads
             args.model = models.resolve_model(args.model)  # a short name -> org/name
+        elif args.out and (blocked := cli.unwritable(args.out)):  # an analysis's one file
+            raise EvalError(f"--out {args.out}: cannot write in {blocked}; pass another")
         work(args)
     except errors as error:
         print(f"evaluate.py: error: {error}", file=sys.stderr)

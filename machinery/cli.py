@@ -320,15 +320,18 @@ def check_config(config, error) -> None:
 
 
 def unwritable(path: str) -> str | None:
-    """The nearest existing path above ``path`` when nothing can be made in it (a file, a
-    directory without write permission, a read-only file system), else None. It is tried with a
-    nameless file, removed at once: os.access says yes to root everywhere.
+    """The nearest existing path above ``path`` (or the directory of ``path``, a file to be
+    replaced) when nothing can be made in it (a file, a directory without write permission, a
+    read-only file system), else None. It is tried with a nameless file, removed at once:
+    os.access says yes to root everywhere.
 
     >>> unwritable("/proc/no/run"), unwritable(os.path.join(os.getcwd(), "runs/new"))
     ('/proc', None)
     """
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if existing == os.path.abspath(path) and os.path.isfile(existing):  # a file to replace
         existing = os.path.dirname(existing)
     try:
         with tempfile.TemporaryFile(dir=existing):
@@ -356,12 +359,10 @@ def check_eval_args(args) -> str | None:
         return (
             f"--out {args.out}: a directory; name the results file (e.g. {args.out}/results.json)"
         )
-    outputs = [("--out", args.out, os.path.dirname(os.path.abspath(args.out)))]
-    if args.save_completions:  # a directory, made if missing
-        outputs.append(("--save-completions", args.save_completions, args.save_completions))
-    for flag, given, directory in outputs:
-        if blocked := unwritable(directory):
-            return f"{flag} {given}: cannot write in {blocked}; pass another"
+    outputs = [("--out", args.out), ("--save-completions", args.save_completions or "")]
+    for flag, path in outputs:
+        if path and (blocked := unwritable(path)):
+            return f"{flag} {path}: cannot write in {blocked}; pass another"
     return benchmark_problem("--benchmarks", args.benchmarks) or torch_build_problem()
 
 

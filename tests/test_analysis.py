@@ -80,9 +80,10 @@ def test_patterns_and_plot_subcommands_on_saved_results(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_file_of_the_other_kind_is_one_line(tmp_path, capsys):
-    """patterns given a results file, plot given a completions file (each reads the other's):
-    one line naming the file and what to pass (they were tracebacks from json and a KeyError)."""
+def test_a_file_of_the_other_kind_or_an_out_it_cannot_write_is_one_line(tmp_path, capsys):
+    """patterns given a results file, plot given a completions file (each reads the other's),
+    or either given an --out nothing can be written in: one line naming the file and what to
+    pass (they were tracebacks from json, a KeyError and the write)."""
     results = tmp_path / "results.json"
     results.write_text(json.dumps({"model": {}, "ks": [1], "benchmarks": {}}, indent=1))
     completions = write_jsonl(tmp_path / "b.seed0.jsonl", [{"benchmark": "b", "seed": 0}])
@@ -93,6 +94,10 @@ def test_a_file_of_the_other_kind_is_one_line(tmp_path, capsys):
         assert evaluate.main([*argv, "--out", str(tmp_path / "out")]) == 2
         error = capsys.readouterr().err.strip().splitlines()
         assert len(error) == 1 and said in error[0]
+    for command in ("plot", "patterns"):  # an --out it cannot write: one line, before the work
+        assert evaluate.main([command, str(results), "--out", "/proc/out/figure"]) == 2
+        said = "--out /proc/out/figure: cannot write in /proc; pass another"
+        assert capsys.readouterr().err.strip().splitlines() == [f"evaluate.py: error: {said}"]
 
 
 def test_perplexity_equals_a_per_sample_log_softmax_loop(float64_qwen2):
