@@ -834,6 +834,8 @@ def main(argv: list[str] | None = None) -> SageGRPOTrainer:
         )
     if args.resume and not has_checkpoint:
         parser.error(f"--resume, but {run_dir} holds no checkpoint: drop --resume to start afresh")
+    if blocked := cli.unwritable(run_dir):
+        parser.error(f"--out {args.out}: cannot write in {blocked}; pass another")
     try:
         trainer = build_trainer(args, num_processes)
     except (ValueError, DataError, RewardError) as error:

@@ -372,6 +372,7 @@ def test_unsupported_settings_are_refused_in_one_line(tmp_path, capsys):
         ),
         (["--model", "m", "--resume", *out], "holds no checkpoint"),
         (out, "--model"),
+        (["--model", "m", "--out", "/proc/runs"], "--out /proc/runs: cannot write in /proc"),
     ]:
         with pytest.raises(SystemExit) as stopped:
             trl_sage.main(argv)
