@@ -81,11 +81,17 @@ def read_jsonl(path: str) -> list[dict]:
 
 
 def append_jsonl(path: str, record: dict) -> None:
-    """Append one JSON line, flushed to disk (a crash loses at most the line being written)."""
-    with open(path, "a") as handle:
-        handle.write(json.dumps(record) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    """Append one JSON line, flushed to disk (a crash loses at most the line being written); a
+    write that fails (a full disk) ends the run in one line: --resume continues it."""
+    try:
+        with open(path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        raise SystemExit(
+            f"error: cannot write {path} ({error}); the last checkpoint can be resumed"
+        ) from None
 
 
 def truncate_jsonl(path: str, before_step: int) -> None:

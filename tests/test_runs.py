@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -119,6 +120,17 @@ def test_a_kill_mid_save_leaves_the_previous_checkpoint(tmp_path):
     killed = subprocess.run([sys.executable, "-c", KILLED_MID_SAVE, str(tmp_path)], env=env)
     assert killed.returncode == -signal.SIGKILL
     assert runs.restore_or_start(True, str(tmp_path), run_state()) == 1
+
+
+def test_a_full_disk_ends_the_run_in_one_line_that_says_it_can_be_resumed():
+    """/dev/full refuses every write as a full disk does (ENOSPC): a step's metrics line that
+    cannot be written ends the run in one line, not a traceback."""
+    with pytest.raises(SystemExit) as stopped:
+        runs.append_jsonl("/dev/full", {"step": 0})
+    assert re.fullmatch(
+        r"error: cannot write /dev/full \(.*No space left.*\); the last checkpoint can be resumed",
+        str(stopped.value),
+    )
 
 
 def test_truncate_metrics_drops_steps_to_redo(tmp_path):
