@@ -848,8 +848,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if problem := cli.check_eval_args(args):
                 raise EvalError(problem)  # before any model or benchmark loads
             args.model = models.resolve_model(args.model)  # a short name -> org/name
-        elif args.out and (blocked := cli.unwritable(args.out)):  # an analysis's one file
-            raise EvalError(f"--out {args.out}: cannot write in {blocked}; pass another")
+        elif args.out and (problem := cli.unwritable("--out", args.out)):  # its one file
+            raise EvalError(problem)
         work(args)
     except errors as error:
         print(f"evaluate.py: error: {error}", file=sys.stderr)

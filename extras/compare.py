@@ -414,8 +414,8 @@ def parse_args(argv: list[str] | None):
         )
     if not (0.0 <= args.demo_sft_noise <= 1.0 and 0.0 <= args.demo_hard_noise <= 1.0):
         parser.error("--demo-sft-noise and --demo-hard-noise are fractions in [0, 1]")
-    if blocked := cli.unwritable(args.out):
-        parser.error(f"--out {args.out}: cannot write in {blocked}; pass another")
+    if problem := cli.unwritable("--out", args.out):
+        parser.error(problem)
     # each stage's threads: the cores split between the seeds trained at once
     args.threads = max(1, (os.cpu_count() or 1) // min(args.jobs, args.seeds))
     args.gpus, args.gpu = visible_gpus(), None  # (each job's GPU is chosen as it starts)

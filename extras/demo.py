@@ -409,8 +409,8 @@ def main(argv: list[str] | None = None) -> dict:
         sage.Config, [*DEMO_FLAGS, *rest], sections=sage.EXTRAS, prog="python -m extras.demo"
     )
     run_dir = os.path.join(settings.out, settings.name or "demo-grpo-branch")
-    if blocked := cli.unwritable(run_dir):
-        parser.error(f"--out {settings.out}: cannot write in {blocked}; pass another")
+    if problem := cli.unwritable("--out", run_dir, typed=settings.out):
+        parser.error(problem)
     if os.path.exists(run_dir) and not settings.resume and not demo.sft_only:
         print(f"demo: replacing the previous demo run in {run_dir}", file=sys.stderr)
         shutil.rmtree(run_dir)

@@ -834,8 +834,8 @@ def main(argv: list[str] | None = None) -> SageGRPOTrainer:
         )
     if args.resume and not has_checkpoint:
         parser.error(f"--resume, but {run_dir} holds no checkpoint: drop --resume to start afresh")
-    if blocked := cli.unwritable(run_dir):
-        parser.error(f"--out {args.out}: cannot write in {blocked}; pass another")
+    if problem := cli.unwritable("--out", run_dir, typed=args.out):
+        parser.error(problem)
     try:
         trainer = build_trainer(args, num_processes)
     except (ValueError, DataError, RewardError) as error:

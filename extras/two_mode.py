@@ -1171,8 +1171,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--judge-at {args.judge_at}: pass a step >= 1 of the finished study")
     if args.judge_at and args.token_tail_check:
         parser.error("--judge-at and --token-tail-check are two readings of a study: pass one")
-    if blocked := cli.unwritable(args.out):
-        parser.error(f"--out {args.out}: cannot write in {blocked}; pass another")
+    if problem := cli.unwritable("--out", args.out):
+        parser.error(problem)
     missing = []  # what the two readings of a finished study read
     if args.judge_at:
         missing = [os.path.join(args.out, name) for name in ("summary.json", "steps.json.gz")]

@@ -319,14 +319,17 @@ def check_config(config, error) -> None:
         error(problem)
 
 
-def unwritable(path: str) -> str | None:
-    """The nearest existing path above ``path`` (or the directory of ``path``, a file to be
-    replaced) when nothing can be made in it (a file, a directory without write permission, a
-    read-only file system), else None. It is tried with a nameless file, removed at once:
-    os.access says yes to root everywhere.
+def unwritable(flag: str, path: str, typed: str | None = None) -> str | None:
+    """The one line refusing an output ``path`` when nothing can be made in the nearest existing
+    path at or above it (a file's own directory, for a file to be replaced): a file in the way,
+    no write permission, a read-only file system; else None. ``typed``: the flag's value as
+    given, where ``path`` is built from it (the run directory under --out). It is tried with a
+    nameless file, removed at once: os.access says yes to root everywhere.
 
-    >>> unwritable("/proc/no/run"), unwritable(os.path.join(os.getcwd(), "runs/new"))
-    ('/proc', None)
+    >>> unwritable("--out", "/proc/no/run")
+    '--out /proc/no/run: cannot write in /proc; pass another'
+    >>> unwritable("--out", os.path.join(os.getcwd(), "runs/new")) is None
+    True
     """
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
@@ -337,7 +340,7 @@ def unwritable(path: str) -> str | None:
         with tempfile.TemporaryFile(dir=existing):
             return None
     except OSError:
-        return existing
+        return f"{flag} {typed or path}: cannot write in {existing}; pass another"
 
 
 def check_eval_args(args) -> str | None:
@@ -359,10 +362,10 @@ def check_eval_args(args) -> str | None:
         return (
             f"--out {args.out}: a directory; name the results file (e.g. {args.out}/results.json)"
         )
-    outputs = [("--out", args.out), ("--save-completions", args.save_completions or "")]
-    for flag, path in outputs:
-        if path and (blocked := unwritable(path)):
-            return f"{flag} {path}: cannot write in {blocked}; pass another"
+    outputs = {"--out": args.out, "--save-completions": args.save_completions}
+    for flag, path in outputs.items():
+        if path and (problem := unwritable(flag, path)):
+            return problem
     return benchmark_problem("--benchmarks", args.benchmarks) or torch_build_problem()
 
 
@@ -416,8 +419,8 @@ def check_run_dir(run_dir: str, config, with_reference: bool) -> None:
 
     from machinery import memory_plan, runs
 
-    if blocked := unwritable(run_dir):
-        raise SystemExit(f"error: --out {config.out}: cannot write in {blocked}; pass another")
+    if problem := unwritable("--out", run_dir, typed=config.out):
+        raise SystemExit(f"error: {problem}")
     checkpoint = runs.checkpoint_dir(run_dir)
     if os.path.exists(checkpoint) and not config.resume:
         raise SystemExit(
