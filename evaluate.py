@@ -644,11 +644,6 @@ def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
     from machinery import results as files  # the CLI's results file (sage.py never loads it)
 
     seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
-    if args.n < 1 or not seeds:
-        raise EvalError("--n must be >= 1 and --seeds must name at least one seed")
-    if args.backend not in rollout.BACKENDS:
-        choices = ", ".join(rollout.BACKENDS)
-        raise EvalError(f"unknown --backend {args.backend!r}: choose one of {choices}")
     benchmarks = resolve_benchmarks(
         args.benchmarks,
         problem_key=args.problem_key,
@@ -803,7 +798,7 @@ class EvalArgs:
     text as a completion prefix (log pi of that prefix)."""
     limit: int | None = field(default=None, metadata={"range": ">= 1"})
     """Evaluate only the first LIMIT problems of each benchmark."""
-    backend: str = "vllm"
+    backend: str = field(default="vllm", metadata={"choices": rollout.BACKENDS})
     """Rollout engine: vllm | hf (transformers generate, slow)."""
     dtype: str = "auto"
     """Engine dtype (auto, bfloat16, float32)."""
@@ -819,6 +814,12 @@ class EvalArgs:
     """Directory for per-(benchmark, seed) JSONL samples (input of patterns and perplexity)."""
     progress: bool = True
     """Progress bars."""
+
+    def __post_init__(self):
+        """One line, naming the flag, for a field out of its range or choices (an instance built
+        in code is checked as the command line's is)."""
+        if (problem := cli.field_problem(self)) is not None:
+            raise ValueError(problem)
 
 
 def evaluate_and_report(args: EvalArgs) -> None:

@@ -347,7 +347,7 @@ def check_eval_args(args) -> str | None:
     """evaluate.py's flags (an ``EvalArgs``, its ranges and choices checked as it was built) that
     cannot run, then the torch build: one line, else None."""
     seeds = [seed.strip() for seed in str(args.seeds).split(",") if seed.strip()]
-    if not all(seed.isdigit() for seed in seeds):
+    if not seeds or not all(seed.isdigit() for seed in seeds):
         return f"--seeds {args.seeds}: write comma-separated integers >= 0 such as 0,1,2"
     if args.solution_key and not (args.top_p == 1.0 and args.top_k <= 0):
         return (

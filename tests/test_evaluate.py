@@ -9,6 +9,7 @@ scripted engine whose correct counts are known; perplexity (Eq. 39) against a pe
 and, marked slow, the CLI end to end on a tiny model with vLLM on CPU.
 """
 
+import contextlib
 import dataclasses
 import doctest
 import itertools
@@ -166,9 +167,20 @@ def eval_args(**overrides):
     return evaluate.EvalArgs(**{**fields, "model": "scripted", "progress": False, **overrides})
 
 
-def test_unknown_backend_lists_the_choices():
-    with pytest.raises(evaluate.EvalError, match="choose one of vllm, hf"):
-        evaluate.run_evaluation(eval_args(benchmarks="aime", backend="sglang"))
+def test_unknown_backend_or_no_seed_is_one_line_before_anything_loads(capsys):
+    """EvalArgs checks its fields' ranges and choices when built, in code as on the command line;
+    the command line also refuses seeds that name no seed."""
+    with pytest.raises(ValueError, match="unknown --backend 'sglang': choose one of vllm, hf"):
+        eval_args(benchmarks="aime", backend="sglang")
+    for argv, said in (
+        (["--backend", "sglang"], "argument --backend: invalid choice: 'sglang'"),
+        (["--seeds", " , "], "--seeds  , : write comma-separated integers >= 0 such as 0,1,2"),
+        (["--seeds", "0,x"], "--seeds 0,x: write comma-separated integers >= 0 such as 0,1,2"),
+    ):
+        with contextlib.suppress(SystemExit):  # argparse's own refusal exits 2
+            assert evaluate.main(["--model", "no/such-model", *argv]) == 2
+        error = capsys.readouterr().err.strip().splitlines()
+        assert error[-1].startswith(f"evaluate.py: error: {said}")
 
 
 def test_evaluate_problems_counts_correct_samples_per_problem_and_seed(pool):
