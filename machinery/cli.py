@@ -326,10 +326,8 @@ def unwritable(flag: str, path: str, typed: str | None = None) -> str | None:
     given, where ``path`` is built from it (the run directory under --out). It is tried with a
     nameless file, removed at once: os.access says yes to root everywhere.
 
-    >>> unwritable("--out", "/proc/no/run")
-    '--out /proc/no/run: cannot write in /proc; pass another'
-    >>> unwritable("--out", os.path.join(os.getcwd(), "runs/new")) is None
-    True
+    >>> unwritable("--out", "/proc/x"), unwritable("--out", os.path.join(os.getcwd(), "new"))
+    ('--out /proc/x: cannot write in /proc; pass another', None)
     """
     existing = os.path.abspath(path)
     while not os.path.exists(existing):
