@@ -254,9 +254,19 @@ def test_bad_input_gives_one_clear_line(tmp_path):
     assert message in last and "Traceback" not in result.stderr
 
 
-def test_resume_without_checkpoint_and_rerun_over_checkpoint_are_errors(tmp_path):
-    result = run_demo([*TINY, "--resume", "--name", "fresh"], tmp_path, timeout=300)
-    assert result.returncode != 0 and "no checkpoint" in result.stderr.strip().splitlines()[-1]
+def test_resume_without_a_checkpoint_is_one_line_before_anything_loads(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """--resume with no checkpoint to continue (a rerun over a checkpoint without --resume:
+    test_interrupted_and_resumed_run_matches_an_uninterrupted_one)."""
+    import sage
+    from machinery import models
+
+    monkeypatch.setattr(models, "load_tokenizer", None)  # (it would fail if called)
+    argv = ["--model", str(tiny_model_dir), "--resume", "--name", "fresh", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match=r"^error: --resume but no checkpoint in .*--resume to"):
+        sage.main(argv)
+    assert not (tmp_path / "fresh").exists()
 
 
 def test_full_finetune_of_a_7b_model_is_refused_before_loading_anything(tmp_path):
@@ -288,7 +298,10 @@ def test_full_finetune_of_a_7b_model_is_refused_before_loading_anything(tmp_path
 
 
 def test_sft_only_writes_the_sft_model_and_its_stats(tmp_path, tiny_model_dir):
-    """Table 1's recipe runs SFT once (--sft-only) and starts every RL row from its model."""
+    """Table 1's recipe runs SFT once (--sft-only) and starts every RL row from its model (in
+    this process: it starts no engine)."""
+    import sage
+
     rows = [
         {
             "problem": f"What is {a} + 2?",
@@ -299,26 +312,11 @@ def test_sft_only_writes_the_sft_model_and_its_stats(tmp_path, tiny_model_dir):
     ]
     rows.append({"problem": "Long", "generated_solution": "1+1=2 " * 300, "expected_answer": "2"})
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    result = run_sage(
-        [
-            "--model",
-            tiny_model_dir,
-            "--sft-dataset",
-            str(tmp_path / "sft.jsonl"),
-            "--sft-only",
-            "--sft-epochs",
-            "1",
-            "--max-seq-len",
-            "256",
-            "--max-prompt-len",
-            "128",
-            "--name",
-            "sft",
-        ],
-        tmp_path,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    argv = ["--model", str(tiny_model_dir), "--sft-dataset", str(tmp_path / "sft.jsonl")]
+    argv += ["--sft-only", "--sft-epochs", "1", "--max-seq-len", "256", "--max-prompt-len", "128"]
+    with pytest.raises(SystemExit) as ended:
+        sage.main([*argv, "--name", "sft", "--out", str(tmp_path)])
+    assert ended.value.code == 0
     stats = json.loads((tmp_path / "sft" / "sft_stats.json").read_text())
     assert stats["kept"] == 6 and stats["dropped_too_long"] == 1 and stats["max_tokens"] == 128
     assert (tmp_path / "sft" / "sft_model" / "config.json").exists()
@@ -361,34 +359,18 @@ def test_a_plug_in_reward_is_the_one_trained_on(tmp_path):
         and calls[0][2].isdigit()
     )
     assert read_metrics(tmp_path / "plug")[0]["reward"] == 0.25
-    bad = run_demo(
-        [
-            *TINY,
-            "--steps",
-            "1",
-            "--backend",
-            "hf",
-            "--name",
-            "bad-reward",
-            "--reward",
-            "no_such_module_xyz:f",
-        ],
-        tmp_path,
-        timeout=600,
-    )
-    assert (
-        bad.returncode != 0
-        and "cannot import 'no_such_module_xyz'" in bad.stderr.strip().splitlines()[-1]
-    )
 
 
 @pytest.mark.slow
-def test_the_demo_runs_again_when_run_again(tmp_path):
-    """make demo-sums twice: the second replaces the first run and says so in one line."""
+def test_the_demo_runs_again_when_run_again(tmp_path, capsys):
+    """make demo-sums twice: the second replaces the first run and says so in one line (in this
+    process: test_two_step_cli_run runs the demo as one)."""
+    from extras import demo
+
     argv = [*TINY, "--steps", "1", "--eval-every", "0", "--backend", "hf", "--name", "demo"]
-    first = run_demo(argv, tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    again = run_demo(argv, tmp_path)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"demo: replacing the previous demo run in {tmp_path / 'demo'}" in again.stderr
+    demo.main([*argv, "--out", str(tmp_path)])
+    capsys.readouterr()
+    demo.main([*argv, "--out", str(tmp_path)])
+    said = capsys.readouterr().err
+    assert f"demo: replacing the previous demo run in {tmp_path / 'demo'}" in said
     assert [m["step"] for m in read_metrics(tmp_path / "demo")] == [0]
