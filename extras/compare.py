@@ -16,7 +16,8 @@ sums twice: the support probe (evaluate.support_probe: log pi(y*|x) of each sum'
 teacher-forced at the training temperature and min-p, exact) per group, easy and hard, and pass@k
 from ``--eval-samples`` completions per problem (the same sampling seed for every arm). The arms
 (``ARMS``; any subset by ``--arms``, more by ``--arm NAME='flags'``; ``--flags`` adds sage.py
-flags to every arm, the regime):
+flags to every arm, the regime; ``--backend hf`` samples with HF's generate, where vLLM is not
+installed):
 
     grpo                  GRPO with its reverse-KL anchor (no guide)
     grpo_no_kl            GRPO without KL: the support-narrowing baseline
@@ -52,6 +53,7 @@ import subprocess
 import sys
 import time
 
+import rollout
 from machinery import cli
 from machinery.runs import SUBPROCESS_ENV, read_jsonl
 
@@ -135,6 +137,7 @@ def train_arm(seed_dir: str, seed: int, arm: str, flags: list[str], files: dict,
     run(
         ["sage.py", *demo.sage_flags(files), "--out", seed_dir, "--name", arm, "--seed", str(seed)]
         + ["--steps", str(args.steps), "--eval-every", "0", "--save-every", str(args.save_every)]
+        + ["--backend", args.backend]
         + shlex.split(args.flags)
         + flags
         + (["--resume"] if resume else []),
@@ -153,6 +156,7 @@ def evaluate(files: dict, adapter: str | None, out: str, args) -> None:
         *["--n", str(args.eval_samples), "--seeds", "0", "--temperature", "1.0", "--top-p", "1.0"],
         *["--min-p", "0.01", "--max-tokens", "64", "--max-model-len", "640"],
         *["--gpu-memory-utilization", "0.2", "--out", out, "--no-progress"],
+        *["--backend", args.backend],
     ]
     run(command + (["--adapter", adapter] if adapter else []), threads=args.threads, gpu=args.gpu)
 
@@ -390,6 +394,13 @@ def parse_args(argv: list[str] | None):
     add("--arm", action="append", default=[], metavar="NAME='FLAGS'", help="an arm of your own")
     add("--flags", default="", help="sage.py flags for every arm (the regime), e.g. '--lr 1e-3'")
     add("--jobs", type=int, default=2, help="seeds trained at once, the CPU's threads split")
+    add(
+        "--backend",
+        default="vllm",
+        choices=rollout.BACKENDS,
+        help="the sampler of every arm's training and of every evaluation (hf: where vLLM is not "
+        "installed)",
+    )
     add("--demo-eval-problems", type=int, default=100, help="held-out problems")
     add("--demo-sft-examples", type=int, default=2400, help="SFT examples of each seed's start")
     add("--demo-sft-noise", type=float, default=0.2, help="SFT: wrong easy sums (fraction)")
@@ -496,6 +507,7 @@ def main(argv: list[str] | None = None) -> dict:
     seconds = round(time.time() - started)
     study = {"arms": arms, "seeds": seeds, "steps": args.steps, "seconds": seconds}
     study.update(flags=args.flags, jobs=args.jobs, eval_samples=args.eval_samples)
+    study.update(backend=args.backend)
     study.update(task_seed=TASK_SEED, sft=sft_settings(args))
     runs.write_json_atomic(
         os.path.join(out, "summary.json"), {"study": study, **summary, "contrasts": contrasts}

@@ -108,11 +108,13 @@ def test_arms_are_chosen_and_added_by_flag(monkeypatch):
         compare.parse_args(["--arms", "nope"])
 
 
-# a tiny study: two seeds (each its own tiny SFT start), two arms of six steps
+# a tiny study: two seeds (each its own tiny SFT start), two arms of six steps, sampled by HF's
+# generate (--backend hf: no vLLM engine starts in its eight stages; the engine's own CLI runs
+# are tests/test_sage_cli.py's and tests/test_evaluate.py's)
 TINY = shlex.split(
     """
     --seeds 2 --seed 3407 --steps 6 --save-every 1 --eval-samples 4
-    --demo-eval-problems 12 --demo-sft-examples 32 --arms branch_k1_return_ref
+    --demo-eval-problems 12 --demo-sft-examples 32 --arms branch_k1_return_ref --backend hf
     """
 )
 
@@ -175,7 +177,13 @@ def test_a_killed_study_finishes_without_redoing_what_was_done(tmp_path):
     steps = [json.loads(line)["step"] for line in metrics.splitlines()]
     assert steps == list(range(6)) and stopped_at < 6  # the killed arm resumed, each step once
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["study"]["seeds"] == [3407, 3408]
+    assert summary["study"]["seeds"] == [3407, 3408] and summary["study"]["backend"] == "hf"
+    for seed in ("3407", "3408"):  # --backend reached every arm's training and every evaluation
+        seed_dir = out / f"seed-{seed}"
+        arm_config = json.loads((seed_dir / "branch_k1_return_ref" / "config.json").read_text())
+        assert arm_config["backend"] == "hf"
+        for result in ("sft_start.json", "branch_k1_return_ref.json"):
+            assert json.loads((seed_dir / result).read_text())["sampling"]["backend"] == "hf"
     probe = ["mean_logp_full", "mean_logp", "outside"] + [
         f"supp@{delta:g}" for delta in (1e-1, 1e-2, 1e-3, 1e-4)
     ]
