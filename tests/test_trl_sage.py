@@ -536,17 +536,9 @@ def check_run(result, run_dir, steps, guide_in_loss=True):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "guide, extra",
-    [
-        ("branch", []),
-        (
-            "token",
-            ["--kl-estimator", "k1_return", "--advantage", "dr_grpo", "--loss-agg", "dr_grpo"],
-        ),
-    ],
-)
-def test_two_step_cli_run(tiny_model_dir, train_file, tmp_path, guide, extra):
+def test_two_step_cli_run(tiny_model_dir, train_file, tmp_path):
+    """The branch guide in the loss, two steps as a process (the token guide in the return runs
+    as one in the resume test below)."""
     argv = [
         *TINY,
         "--steps",
@@ -556,14 +548,13 @@ def test_two_step_cli_run(tiny_model_dir, train_file, tmp_path, guide, extra):
         "--dataset",
         train_file,
         "--guide",
-        guide,
+        "branch",
         "--micro-batch-size",
         "2",
         "--out",
         str(tmp_path),
         "--name",
         "run",
-        *extra,
     ]
     result = subprocess.run(
         [sys.executable, "-W", "ignore", "-m", "extras.trl_sage", *argv],
@@ -573,11 +564,7 @@ def test_two_step_cli_run(tiny_model_dir, train_file, tmp_path, guide, extra):
         env=subprocess_env(),
         timeout=600,
     )
-    in_return = "k1_return" in extra  # the guide is in the return: logged by the reward hook
-    check_run(result, tmp_path / "run", steps=2, guide_in_loss=not in_return)
-    if in_return:
-        first = read_metrics(tmp_path / "run")[0]
-        assert "kl/ref_k1" in first and "rewards/kl_return/mean" in first
+    check_run(result, tmp_path / "run", steps=2)
 
 
 @pytest.mark.slow
@@ -640,6 +627,8 @@ def test_one_step_under_accelerate_launch_with_two_cpu_processes(
 @pytest.mark.slow
 @pytest.mark.cpu_only("a resumed run repeats the CPU's float32 arithmetic exactly")
 def test_a_resumed_run_continues_from_its_checkpoint(tiny_model_dir, train_file, tmp_path, capsys):
+    """One step, then --resume to two, with the token guide in the return (k1_return, logged by
+    the reward hook) and Dr. GRPO's advantages and aggregation."""
     argv = [
         *TINY,
         "--model",
@@ -648,6 +637,12 @@ def test_a_resumed_run_continues_from_its_checkpoint(tiny_model_dir, train_file,
         train_file,
         "--guide",
         "token",
+        "--kl-estimator",
+        "k1_return",
+        "--advantage",
+        "dr_grpo",
+        "--loss-agg",
+        "dr_grpo",
         "--micro-batch-size",
         "2",
         "--out",
@@ -676,4 +671,6 @@ def test_a_resumed_run_continues_from_its_checkpoint(tiny_model_dir, train_file,
         env=subprocess_env(),
         timeout=600,
     )
-    check_run(resumed, tmp_path / "run", steps=2)
+    check_run(resumed, tmp_path / "run", steps=2, guide_in_loss=False)
+    first_step = read_metrics(tmp_path / "run")[0]
+    assert "kl/ref_k1" in first_step and "rewards/kl_return/mean" in first_step
