@@ -15,9 +15,10 @@
 #   2. the step's speed at the paper's shape (bench/gpu_step.py: peak, step time, tokens/s, MFU)
 #      and the chunked log-prob kernel against the naive path (bench/logprobs.py: memory and
 #      time ratios), reported against their goals, not failed on them;
-#   3. a tiny `--backend hf` run of sage.py on CUDA (the demo's model, 4 updates): the peaks it
-#      logs (memory/*_peak_gb in metrics.jsonl) and its "[memory]" lines against the plan's
-#      forecast, the loss and gradient norm finite, the LoRA weights moved;
+#   3. a tiny `--backend hf` run of sage.py on CUDA (the demo's model, 4 updates, four prompts
+#      in each micro-batch, left-padded): the peaks it logs (memory/*_peak_gb in metrics.jsonl)
+#      and its "[memory]" lines against the plan's forecast, the loss and gradient norm finite,
+#      the LoRA weights moved;
 #   4. pytest -m "cuda_kernels or not slow" on the GPU with what is left of the budget, the
 #      tests marked cuda_kernels first; a test that needs a module this node lacks (vLLM,
 #      matplotlib, scipy, tensorboard, wandb) is skipped and counted with that reason.
@@ -117,7 +118,10 @@ fi
 
 # ---- 3. a tiny --backend hf run on CUDA --------------------------------------------------------
 HF_DEMO=(--demo-sft-examples 16 --sft-batch-size 8 --demo-eval-problems 2)
-HF_RUN=(--backend hf --steps 4 --prompts-per-step 2 --rollouts 4 --micro-batch-size 4
+# Four prompts in one micro-batch of 8 rows: left-padded to the longest prompt, as in every run
+# whose micro-batch holds more than one group (the demo's 64 rows, a study's arms), where a
+# study's k1_return arm once got a NaN gradient on an H200 (docs/gpu.md).
+HF_RUN=(--backend hf --steps 4 --prompts-per-step 4 --rollouts 2 --micro-batch-size 8
     --gradient-checkpointing --max-seq-len 144 --max-prompt-len 100 --eval-every 0
     --save-every 4 --guide branch)
 hf_run() {
