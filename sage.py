@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import math
 import os
 import random
 import sys
@@ -688,13 +687,33 @@ def update_policy(
             (micro_loss * weight).backward()
             gap = rollout.engine_gap(fixed.old_logps, fixed.engine_logps, mask=mask)
             metrics.add({**micro_metrics, **gap}, rows=len(rows))
-        norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.max_grad_norm).item()
-        if not math.isfinite(norm):
-            raise FloatingPointError(f"the gradient norm is {norm}: lower --lr or --beta")
+        # the norm, checked before the clip scales every gradient by max_grad_norm / norm
+        gradients = [p.grad for p in policy.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(gradients)
+        if not torch.isfinite(norm):
+            where = nonfinite_gradients(policy)
+            raise FloatingPointError(
+                f"the gradient norm is {norm.item()} ({where}): lower --lr or --beta"
+            )
+        torch.nn.utils.clip_grads_with_norm_(policy.parameters(), config.max_grad_norm, norm)
         optimizer.step()  # the next pass's ratio is pi_theta / pi_old with this step's theta
         optimizer.zero_grad(set_to_none=True)
-        grad_norms.append(norm)
+        grad_norms.append(norm.item())
     return {**metrics.result(), "grad_norm": sum(grad_norms) / len(grad_norms)}
+
+
+def nonfinite_gradients(policy) -> str:
+    """Where a non-finite gradient norm comes from, for its error line: how many trained tensors
+    have a gradient that is not finite, and the one nearest the loss (the last in the model's
+    order, which the backward pass reaches first: the layers before it inherit its NaN)."""
+    names = [
+        name
+        for name, parameter in policy.named_parameters()
+        if parameter.grad is not None and not parameter.grad.isfinite().all()
+    ]
+    if not names:
+        return "every gradient is finite: their norm overflowed"
+    return f"{len(names)} tensors' gradients, nearest the loss {names[-1]}"
 
 
 def train_on(learner: Learner, rollouts: Rollouts, rewards, config: Config, step, timer) -> dict:

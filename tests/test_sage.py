@@ -4,6 +4,7 @@ on a fake GPU, the anchor's reference, and the SFT warm start (extras/sft.py).""
 import contextlib
 import copy
 import dataclasses
+import math
 import random
 
 import pytest
@@ -325,6 +326,38 @@ def test_micro_batches_accumulate_the_full_batch_gradient(tiny, aggregation, gui
     assert gradients[0].dtype == torch.float64 and gradients[0].abs().max() > 0
     tolerance = gradient_bound(policy, whole, gradients[0])
     torch.testing.assert_close(gradients[1], gradients[0], atol=tolerance, rtol=0)
+
+
+def test_a_non_finite_loss_or_gradient_stops_the_update_in_one_line_naming_where(tiny):
+    """A NaN loss (here, from NaN advantages) stops the update before its backward. A NaN
+    gradient under a finite loss (here, one weight's gradient made NaN by a hook) stops it before
+    AdamW's step, naming how many trained tensors got one and the one nearest the loss."""
+    _, tokenizer = tiny
+    rollouts, rewards = _rollouts(num_groups=2, group_size=4)
+    config = sage.Config(model="m", rollouts=4, max_seq_len=32, max_prompt_len=16, steps=10)
+    reference = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=1)
+    reference.requires_grad_(False)
+
+    def update(policy, advantages):
+        batches = sage.micro_batches(rollouts, config, tokenizer.pad_token_id, "cpu")
+        held = [sage.held_fixed_logps(policy, reference, batch, config) for _, batch in batches]
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+        generator = torch.Generator().manual_seed(0)
+        sage.update_policy(policy, optimizer, batches, held, advantages, config, 0, generator)
+
+    policy = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=2)
+    advantages = loss.compute_advantages(rewards, 4, "grpo")
+    with pytest.raises(FloatingPointError, match=r"^the loss is nan: lower --lr or --beta$"):
+        update(policy, torch.full_like(advantages, math.nan))
+    names = [name for name, _ in policy.named_parameters()]
+    weight = dict(policy.named_parameters())[names[3]]
+    weight.register_hook(lambda gradient: gradient * math.nan)
+    with pytest.raises(FloatingPointError) as stopped:
+        update(policy, advantages)
+    assert str(stopped.value) == (
+        f"the gradient norm is nan (1 tensors' gradients, nearest the loss {names[3]}): "
+        "lower --lr or --beta"
+    )
 
 
 def test_k1_return_shaping_keeps_every_tensor_on_the_log_probs_device():
