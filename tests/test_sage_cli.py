@@ -299,6 +299,7 @@ def test_full_finetune_of_a_7b_model_is_refused_before_loading_anything(tmp_path
         assert "--full-finetune of a 7.6B-parameter model needs about" in last
 
 
+@pytest.mark.cuda_kernels  # in this process, so on the device torch offers
 def test_sft_only_writes_the_sft_model_and_its_stats(tmp_path, tiny_model_dir):
     """Table 1's recipe runs SFT once (--sft-only) and starts every RL row from its model (in
     this process: it starts no engine)."""
