@@ -705,15 +705,21 @@ def update_policy(
 def nonfinite_gradients(policy) -> str:
     """Where a non-finite gradient norm comes from, for its error line: how many trained tensors
     have a gradient that is not finite, and the one nearest the loss (the last in the model's
-    order, which the backward pass reaches first: the layers before it inherit its NaN)."""
-    names = [
-        name
-        for name, parameter in policy.named_parameters()
-        if parameter.grad is not None and not parameter.grad.isfinite().all()
-    ]
+    order, which the backward pass reaches first: the layers before it inherit its NaN).
+
+    >>> layer = torch.nn.Linear(2, 1)
+    >>> layer(torch.tensor([[1.0, float("nan")]])).sum().backward()  # d/d weight = the input
+    >>> nonfinite_gradients(layer)
+    'not finite in 1 of 2 gradients, the one nearest the loss: weight'
+    """
+    gradients = {name: p.grad for name, p in policy.named_parameters() if p.grad is not None}
+    names = [name for name, gradient in gradients.items() if not gradient.isfinite().all()]
     if not names:
         return "every gradient is finite: their norm overflowed"
-    return f"{len(names)} tensors' gradients, nearest the loss {names[-1]}"
+    return (
+        f"not finite in {len(names)} of {len(gradients)} gradients, the one nearest the loss: "
+        f"{names[-1]}"
+    )
 
 
 def train_on(learner: Learner, rollouts: Rollouts, rewards, config: Config, step, timer) -> dict:

@@ -355,8 +355,8 @@ def test_a_non_finite_loss_or_gradient_stops_the_update_in_one_line_naming_where
     with pytest.raises(FloatingPointError) as stopped:
         update(policy, advantages)
     assert str(stopped.value) == (
-        f"the gradient norm is nan (1 tensors' gradients, nearest the loss {names[3]}): "
-        "lower --lr or --beta"
+        f"the gradient norm is nan (not finite in 1 of {len(names)} gradients, the one nearest "
+        f"the loss: {names[3]}): lower --lr or --beta"
     )
 
 
