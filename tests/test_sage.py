@@ -339,24 +339,31 @@ def test_a_non_finite_loss_or_gradient_stops_the_update_in_one_line_naming_where
     reference.requires_grad_(False)
 
     def update(policy, advantages):
-        batches = sage.micro_batches(rollouts, config, tokenizer.pad_token_id, "cpu")
+        batches = sage.micro_batches(rollouts, config, tokenizer.pad_token_id, device="cpu")
         held = [sage.held_fixed_logps(policy, reference, batch, config) for _, batch in batches]
-        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-        generator = torch.Generator().manual_seed(0)
-        sage.update_policy(policy, optimizer, batches, held, advantages, config, 0, generator)
+        sage.update_policy(
+            policy,
+            torch.optim.AdamW(policy.parameters(), lr=1e-3),
+            batches=batches,
+            held=held,
+            advantages=advantages,
+            config=config,
+            step=0,
+            generator=torch.Generator().manual_seed(0),
+        )
 
     policy = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=2)
-    advantages = loss.compute_advantages(rewards, 4, "grpo")
+    advantages = loss.compute_advantages(rewards, group_size=4, kind="grpo")
     with pytest.raises(FloatingPointError, match=r"^the loss is nan: lower --lr or --beta$"):
         update(policy, torch.full_like(advantages, math.nan))
-    names = [name for name, _ in policy.named_parameters()]
-    weight = dict(policy.named_parameters())[names[3]]
+    parameters = list(policy.named_parameters())
+    name, weight = parameters[3]
     weight.register_hook(lambda gradient: gradient * math.nan)
     with pytest.raises(FloatingPointError) as stopped:
         update(policy, advantages)
     assert str(stopped.value) == (
-        f"the gradient norm is nan (not finite in 1 of {len(names)} gradients, the one nearest "
-        f"the loss: {names[3]}): lower --lr or --beta"
+        f"the gradient norm is nan (not finite in 1 of {len(parameters)} gradients, the one "
+        f"nearest the loss: {name}): lower --lr or --beta"
     )
 
 

@@ -139,11 +139,12 @@ def test_make_demo_lifts_pi_b_toward_the_prediction_and_says_so_in_a_few_lines(
     trained on the CPU this was written on: the bounds leave room for another CPU's rounding);
     under k3 the guide's lift stays near its prediction of about 0. The report is a few lines and
     the figure is written; run again (in-process, with the arms' trainer made to fail), it keeps
-    the finished arms and prints the same table. (This
-    start's entropies put q at the clamp at B's positions from the start, so whose entropies the
-    guide reads cannot show here: test_two_step_cli_run's branch run checks that.)"""
+    the finished arms and prints the same table. (This start's entropies put q at the clamp at
+    B's positions from the start, so whose entropies the guide reads cannot show here:
+    test_two_step_cli_run's branch run checks that.)"""
     out = tmp_path / "demo"
-    command = [sys.executable, "-m", "extras.two_mode", "--tiny", "--out", str(out)]
+    argv = ["--tiny", "--out", str(out)]
+    command = [sys.executable, "-m", "extras.two_mode", *argv]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     done = subprocess.run(
@@ -175,7 +176,7 @@ def test_make_demo_lifts_pi_b_toward_the_prediction_and_says_so_in_a_few_lines(
 
     monkeypatch.setattr(two_mode, "run", trains)
     capsys.readouterr()
-    two_mode.main(command[3:])  # --tiny --out OUT
+    two_mode.main(argv)
     again = capsys.readouterr().out.splitlines()
     assert [line for line in again if not line.startswith("two_mode: ")] == table
     assert len(table) == len(printed) - 2  # the start and prediction, then every arm
