@@ -214,17 +214,18 @@ class RewardError(UsageError):
     """A reward function that cannot be used; the message names the problem and the fix."""
 
 
-def load_reward_function(
-    spec: str,
-) -> Callable[[Sequence[str], Sequence[str], Sequence[str]], list[float]]:
-    """The reward named by ``--reward``: "" for ``math_reward``, else ``module:function`` (an
-    importable module) or ``path/to/file.py:function``, wrapped by ``checked_reward``.
+def load_reward_function(spec: str) -> Callable:
+    """The reward --reward names: "" for the paper's, ``math_reward``, else ``import_reward``'s."""
+    return import_reward(spec) if spec else math_reward
 
-    >>> load_reward_function("task.grading:math_reward").__name__
+
+def import_reward(spec: str) -> Callable:
+    """``module:function`` (an importable module) or ``path/to/file.py:function``, wrapped by
+    ``checked_reward``: f(completions, problems, answers) -> one float each.
+
+    >>> import_reward("task.grading:math_reward").__name__
     'math_reward'
     """
-    if not spec:
-        return math_reward
     where, _, name = spec.rpartition(":")
     if not where or not name:
         raise RewardError(f"--reward {spec!r}: write module:function or path/to/file.py:function")
