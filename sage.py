@@ -644,6 +644,12 @@ class StepMetrics:
         return {**{key: value / self.rows for key, value in self.sums.items()}, **self.extremes}
 
 
+FIRST_UPDATE_HINT = (
+    "at the first update, so the starting weights or this batch give it, not --lr: rerun with "
+    "--no-fast-logprobs, and on CUDA with --micro-batch-size at most --rollouts (docs/gpu.md)"
+)
+
+
 def update_policy(
     policy, optimizer, batches, held, advantages, config: Config, step: int, generator
 ) -> dict:
@@ -660,7 +666,9 @@ def update_policy(
     step_tokens = float(sum(batch["completion_mask"].sum().item() for _, batch in batches))
     constant_q = config.guide.name in ("branch", "random")  # q is one number per position
     grad_norms = []
-    for _ in range(config.ppo_epochs):
+    for epoch in range(config.ppo_epochs):
+        # a non-finite loss or gradient before any AdamW step cannot come from the learning rate
+        hint = "lower --lr or --beta" if step > 0 or epoch > 0 else FIRST_UPDATE_HINT
         for (rows, batch), fixed in zip(batches, held):
             mask = batch["completion_mask"]
             logps, entropies = sampled_logps(policy, batch, config=config)  # [B, C] each
@@ -677,7 +685,7 @@ def update_policy(
             )
             micro_metrics |= loss.anchor_offset(fixed.log_q, mask, q_constant=constant_q)
             if not torch.isfinite(micro_loss):
-                raise FloatingPointError(f"the loss is {micro_loss.item()}: lower --lr or --beta")
+                raise FloatingPointError(f"the loss is {micro_loss.item()}: {hint}")
             weight = loss.micro_batch_weight(
                 config.loss.aggregation,
                 micro_rows=len(rows),
@@ -692,9 +700,7 @@ def update_policy(
         norm = torch.nn.utils.get_total_norm(gradients)
         if not torch.isfinite(norm):
             where = nonfinite_gradients(policy)
-            raise FloatingPointError(
-                f"the gradient norm is {norm.item()} ({where}): lower --lr or --beta"
-            )
+            raise FloatingPointError(f"the gradient norm is {norm.item()} ({where}): {hint}")
         torch.nn.utils.clip_grads_with_norm_(policy.parameters(), config.max_grad_norm, norm)
         optimizer.step()  # the next pass's ratio is pi_theta / pi_old with this step's theta
         optimizer.zero_grad(set_to_none=True)

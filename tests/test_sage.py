@@ -331,14 +331,15 @@ def test_micro_batches_accumulate_the_full_batch_gradient(tiny, aggregation, gui
 def test_a_non_finite_loss_or_gradient_stops_the_update_in_one_line_naming_where(tiny):
     """A NaN loss (here, from NaN advantages) stops the update before its backward. A NaN
     gradient under a finite loss (here, one weight's gradient made NaN by a hook) stops it before
-    AdamW's step, naming how many trained tensors got one and the one nearest the loss."""
+    AdamW's step, naming how many trained tensors got one and the one nearest the loss. The hint
+    blames --lr only once an update has run: at the first, the learning rate has not acted."""
     _, tokenizer = tiny
     rollouts, rewards = _rollouts(num_groups=2, group_size=4)
     config = sage.Config(model="m", rollouts=4, max_seq_len=32, max_prompt_len=16, steps=10)
     reference = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=1)
     reference.requires_grad_(False)
 
-    def update(policy, advantages):
+    def update(policy, advantages, step):
         batches = sage.micro_batches(rollouts, config, tokenizer.pad_token_id, device="cpu")
         held = [sage.held_fixed_logps(policy, reference, batch, config) for _, batch in batches]
         sage.update_policy(
@@ -348,23 +349,26 @@ def test_a_non_finite_loss_or_gradient_stops_the_update_in_one_line_naming_where
             held=held,
             advantages=advantages,
             config=config,
-            step=0,
+            step=step,
             generator=torch.Generator().manual_seed(0),
         )
 
     policy = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=2)
     advantages = loss.compute_advantages(rewards, group_size=4, kind="grpo")
     with pytest.raises(FloatingPointError, match=r"^the loss is nan: lower --lr or --beta$"):
-        update(policy, torch.full_like(advantages, math.nan))
+        update(policy, torch.full_like(advantages, math.nan), step=1)
+    with pytest.raises(FloatingPointError) as stopped:
+        update(policy, torch.full_like(advantages, math.nan), step=0)
+    assert str(stopped.value) == f"the loss is nan: {sage.FIRST_UPDATE_HINT}"
+    assert "not --lr" in sage.FIRST_UPDATE_HINT and "--micro-batch-size" in sage.FIRST_UPDATE_HINT
     parameters = list(policy.named_parameters())
     name, weight = parameters[3]
     weight.register_hook(lambda gradient: gradient * math.nan)
-    with pytest.raises(FloatingPointError) as stopped:
-        update(policy, advantages)
-    assert str(stopped.value) == (
-        f"the gradient norm is nan (not finite in 1 of {len(parameters)} gradients, the one "
-        f"nearest the loss: {name}): lower --lr or --beta"
-    )
+    where = f"not finite in 1 of {len(parameters)} gradients, the one nearest the loss: {name}"
+    for step, hint in ((3, "lower --lr or --beta"), (0, sage.FIRST_UPDATE_HINT)):
+        with pytest.raises(FloatingPointError) as stopped:
+            update(policy, advantages, step=step)
+        assert str(stopped.value) == f"the gradient norm is nan ({where}): {hint}"
 
 
 def test_k1_return_shaping_keeps_every_tensor_on_the_log_probs_device():
