@@ -1,7 +1,7 @@
 """Machinery the method runs on but does not consist of: the run's files (config, metrics and
 their trackers, checkpoints), model loading, the command line, vLLM-on-CPU handling, the fast
 log-prob kernel, the memory plan (and the engine's share of the GPU), evaluate.py's results
-files, the weight push and input checks. The task (problems, prompt, grading, reward) is task/'s.
+files, the engine's input checks. The task (problems, prompt, grading, reward) is task/'s.
 It imports no chapter: a chapter passes it what it needs.
 """
 

@@ -4,17 +4,16 @@ fits on one GPU.
 * A --model is a local directory or a hub ``org/name`` as it is, or a short name of the paper's
   models (Qwen2.5-Math-7B) with its organization, said once; any other bare name is refused in
   one line naming ``org/name`` (``resolve_model``). A hub name that is not in the local cache is
-  first asked of the hub once, briefly (``check_hub_reach``): the loaders retry a hub that does
-  not answer five times (back-off 1, 2, 4, 8, 8 s, each try waiting up to HF_HUB_ETAG_TIMEOUT),
-  half a minute to minutes before a traceback, so an unreachable hub is one line instead.
+  first asked of the hub once, briefly (``check_hub_reach``), so that an unreachable hub is one
+  line, not the loaders' minutes of retries (docs/implementation.md, item 16).
 * The base model loads in bf16 on CUDA (float32 on CPU), with flash-attention 2 when a build is
   installed (else PyTorch's SDPA), and gradient checkpointing for long completions.
   Fine-tuning every weight keeps them in float32 on CUDA too: an AdamW step of lr = 5e-6 is
   smaller than half a bf16 step of any weight above 2e-3 in size, so in bf16 most updates would
   round away and training would silently stall.
 * On the CPU, freed activations stay with the process for the next micro-batch
-  (``keep_freed_memory``) instead of going back to the kernel and faulting in again,
-  zero-filled, at their next use.
+  (``keep_freed_memory``).
+* Under SDPA, a left pad's attention row attends to some key (``attend_somewhere_under_sdpa``).
 * AdamW with linear warmup and linear decay (App. E, Table 8). (The policy and its reference
   pi_ref are made in sage.py; what fits the device is machinery/memory_plan.py's to say.)
 """
@@ -115,6 +114,19 @@ def attention_implementation(dtype: torch.dtype) -> str:
     return "flash_attention_2" if half and is_flash_attn_2_available() else "sdpa"
 
 
+def attend_somewhere_under_sdpa() -> None:
+    """Under SDPA, let a query row that attends to no key (a left pad's: its keys are all padding)
+    attend to every key. CUDA's fused kernels give NaN for such a row, in the backward pass at
+    least, and it reaches every gradient (docs/gpu.md); no other row changes."""
+    from transformers import masking_utils
+
+    def sdpa_mask(*args, **kwargs):  # [B, 1, Q, K] bool, True where a query attends; or None
+        mask = masking_utils.sdpa_mask(*args, **kwargs)
+        return mask if mask is None else mask | ~mask.any(dim=-1, keepdim=True)
+
+    masking_utils.AttentionMaskInterface.register("sdpa", sdpa_mask)
+
+
 def enable_gradient_checkpointing(model) -> None:
     """Recompute each layer's activations in the backward: one layer input per token is kept
     instead of all activations (a 7B Qwen2 keeps ~10 MB per token without it: docs/gpu.md).
@@ -164,6 +176,7 @@ def load_base_model(path: str, gradient_checkpointing: bool = False, full_finetu
     from transformers import AutoModelForCausalLM
 
     device, dtype = device_and_dtype(full_finetune)
+    attend_somewhere_under_sdpa()  # left-padded batches: no NaN from a pad's row on CUDA
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attention_implementation(dtype)

@@ -198,6 +198,50 @@ def test_full_finetuning_keeps_float32_weights_on_cuda_because_bf16_rounds_adamw
     assert models.attention_implementation(torch.float32) == "sdpa"
 
 
+@pytest.mark.cuda_kernels  # on a GPU node CUDA's fused SDPA kernels, else the CPU's
+def test_a_left_pads_attention_row_attends_somewhere_and_nothing_else_moves(tiny, monkeypatch):
+    """Prompts of different lengths in one micro-batch are left-padded (loss.collate): a pad's
+    query row has no key to attend to, and CUDA's fused SDPA kernels give NaN for such a row,
+    which the backward pass spreads to every gradient (docs/gpu.md). With the trainer's mask
+    (models.attend_somewhere_under_sdpa, which load_base_model installs) every row SDPA gets
+    attends to some key and every gradient is finite; on the CPU the log-probs and gradients
+    are bit for bit those of transformers' own mask."""
+    from transformers import masking_utils
+
+    _, tokenizer = tiny
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the trainer's (models.py)
+    model = demo.build_tiny_model(tokenizer, max_position_embeddings=160, seed=3)
+    model = model.to(device=device, dtype=dtype)
+    batch = loss.collate([[5, 6, 7, 8, 9], [7, 8]], [[10, 11], [12]], pad_id=0, device=device)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    masks = []
+
+    def recording_sdpa(*args, attn_mask=None, **kwargs):
+        masks.append(attn_mask)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    def logps_and_gradients():
+        masks.clear()
+        model.zero_grad(set_to_none=True)
+        logps, _ = loss.completion_logps(model, batch, temperature=1.0, min_p=0.0)
+        (logps * batch["completion_mask"]).sum().backward()
+        return logps.detach(), [p.grad.clone() for p in model.parameters()]
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    mapping = masking_utils.AttentionMaskInterface._global_mapping  # restored after the test
+    monkeypatch.setitem(mapping, "sdpa", masking_utils.sdpa_mask)
+    own_logps, own_gradients = logps_and_gradients()
+    assert masks and all(not mask[1, 0, 0].any() for mask in masks)  # row 1's first pad: no key
+    models.attend_somewhere_under_sdpa()
+    logps, gradients = logps_and_gradients()
+    assert masks and all(mask.any(dim=-1).all() for mask in masks)  # every row attends
+    assert torch.isfinite(logps).all() and all(torch.isfinite(g).all() for g in gradients)
+    if device == "cpu":
+        assert torch.equal(logps, own_logps)
+        assert all(torch.equal(g, own) for g, own in zip(gradients, own_gradients))
+
+
 # Six 16 MiB activations alive at once, then freed (a micro-batch's pattern), three times to warm
 # up and ten times counted: prints the page faults of the ten.
 REUSE_PROGRAM = """
