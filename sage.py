@@ -645,8 +645,9 @@ class StepMetrics:
 
 
 FIRST_UPDATE_HINT = (
-    "at the first update, so the starting weights or this batch give it, not --lr: rerun with "
-    "--no-fast-logprobs, and on CUDA with --micro-batch-size at most --rollouts (docs/gpu.md)"
+    "the first update, before any AdamW step, gives it, so not --lr: to narrow it down, rerun "
+    "with --no-fast-logprobs, or on CUDA with a --micro-batch-size that divides --rollouts "
+    "(docs/gpu.md)"
 )
 
 

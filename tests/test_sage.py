@@ -360,7 +360,7 @@ def test_a_non_finite_loss_or_gradient_stops_the_update_in_one_line_naming_where
     with pytest.raises(FloatingPointError) as stopped:
         update(policy, torch.full_like(advantages, math.nan), step=0)
     assert str(stopped.value) == f"the loss is nan: {sage.FIRST_UPDATE_HINT}"
-    assert "not --lr" in sage.FIRST_UPDATE_HINT and "--micro-batch-size" in sage.FIRST_UPDATE_HINT
+    assert "not --lr" in sage.FIRST_UPDATE_HINT and "divides --rollouts" in sage.FIRST_UPDATE_HINT
     parameters = list(policy.named_parameters())
     name, weight = parameters[3]
     weight.register_hook(lambda gradient: gradient * math.nan)
