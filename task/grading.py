@@ -7,7 +7,7 @@
 5. The reward r(x, y) in {0, 1} (section 5.1): ``math_reward``, a function over a batch of
    completions with their problems and reference answers -- the signature of any reward; the
    trainer's ``--reward module:function`` (or ``path/to/file.py:function``) plugs in another one,
-   checked by ``load_reward_function``.
+   checked by ``import_reward``.
 
 Grading choices the paper leaves open: a short answer inside <SOLUTION> is read as LaTeX (wrapped
 in ``$...$``) unless it is prose or a plain number; the reference answer likewise.
@@ -214,7 +214,7 @@ class RewardError(UsageError):
     """A reward function that cannot be used; the message names the problem and the fix."""
 
 
-def load_reward_function(spec: str) -> Callable:
+def load_reward_function(spec: str) -> Callable[..., list[float]]:
     """The reward --reward names: "" for the paper's, ``math_reward``, else ``import_reward``'s."""
     return import_reward(spec) if spec else math_reward
 
