@@ -725,6 +725,7 @@ def probe_benchmarks(args: EvalArgs, benchmarks: dict, results: dict) -> None:
     from machinery import results as files
 
     check_probe_fields(benchmarks, args.solution_key, args.group_key)  # before the model loads
+    loss.attend_somewhere_under_sdpa()  # the probe's batches are left-padded
     model = files.load_merged_model(args.model, args.adapter, args.dtype)
     model.to("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -119,6 +119,21 @@ def completion_logps(model, batch: dict, temperature: float, min_p: float, fast:
     )
 
 
+def attend_somewhere_under_sdpa() -> None:
+    """Let a left pad's attention row attend to every key, under SDPA, for every model of this
+    process (transformers' ``AttentionMaskInterface``; the loaders of a model that reads
+    ``collate``'s batches call it). Its own keys are all padding, so the row attends to none,
+    and CUDA's fused kernels give NaN for such a row, in the backward pass at least, which then
+    reaches every gradient (docs/gpu.md). No other row changes, and nothing reads a pad's row."""
+    from transformers import masking_utils
+
+    def sdpa_mask(*args, **kwargs):  # [B, 1, Q, K] bool, True where a query attends; or None
+        mask = masking_utils.sdpa_mask(*args, **kwargs)
+        return mask if mask is None else mask | ~mask.any(dim=-1, keepdim=True)
+
+    masking_utils.AttentionMaskInterface.register("sdpa", sdpa_mask)
+
+
 # ---- 2. Advantages (one scalar per completion, shared by its tokens) ---------------------------
 
 

@@ -330,6 +330,7 @@ def load_policy(config: Config, base_path: str, pad_id: int) -> Learner:
         gradient_checkpointing=config.gradient_checkpointing,
         full_finetune=config.full_finetune,
     )
+    loss.attend_somewhere_under_sdpa()  # the update's batches are left-padded
     policy, reference = make_policy(
         model,
         full_finetune=config.full_finetune,

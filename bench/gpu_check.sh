@@ -120,7 +120,7 @@ fi
 HF_DEMO=(--demo-sft-examples 16 --sft-batch-size 8 --demo-eval-problems 2)
 # Four prompts in one micro-batch of 8 rows, left-padded to the longest prompt, as in every run
 # whose micro-batch holds more than one group (the demo's 64 rows, a study's arms): finite
-# gradients here show models.attend_somewhere_under_sdpa's fix (docs/gpu.md's NaN gradient).
+# gradients here show loss.attend_somewhere_under_sdpa's fix (docs/gpu.md's NaN gradient).
 HF_RUN=(--backend hf --steps 4 --prompts-per-step 4 --rollouts 2 --micro-batch-size 8
     --gradient-checkpointing --max-seq-len 144 --max-prompt-len 100 --eval-every 0
     --save-every 4 --guide branch)

@@ -25,9 +25,8 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from loss import collate, completion_logps
+from loss import attend_somewhere_under_sdpa, collate, completion_logps
 from machinery import cli
-from machinery.models import attend_somewhere_under_sdpa
 from machinery.runs import atomic_output, read_jsonl, write_json_atomic
 
 matplotlib.use("Agg")
@@ -518,7 +517,7 @@ def run_perplexity(args: PerplexityArgs) -> dict:
             wanted.append((benchmark, int(index)))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch_dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-    attend_somewhere_under_sdpa()  # its batches are left-padded (machinery/models.py)
+    attend_somewhere_under_sdpa()  # its batches are left-padded
     model = (
         AutoModelForCausalLM.from_pretrained(args.base_model, dtype=torch_dtype).to(device).eval()
     )

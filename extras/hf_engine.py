@@ -25,7 +25,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from machinery.models import attend_somewhere_under_sdpa
+from loss import attend_somewhere_under_sdpa
 from machinery.vllm_backend import check_prompts, context_length, load_model_config
 from rollout import Completion, RolloutError, SamplingConfig, engine_weights, group_completions
 
@@ -97,7 +97,7 @@ class HFEngine:
         self.model_path = path = os.fspath(model_path)
         config = load_model_config(path)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        attend_somewhere_under_sdpa()  # its batches are left-padded (machinery/models.py)
+        attend_somewhere_under_sdpa()  # its batches are left-padded
         if model is None:
             torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
             device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -160,6 +160,7 @@ def warm_start(config, run_dir: str, wrap_lora) -> str:
     max_tokens = settings.sft_max_tokens or config.max_seq_len // 2
     pairs, stats = tokenize_sft_examples(tokenizer, examples, max_tokens, settings.sft_max_samples)
     model = models.load_base_model(config.model, config.gradient_checkpointing)  # data first
+    loss.attend_somewhere_under_sdpa()  # its batches are left-padded
     runs.save_run_config(run_dir, config)  # the SFT stage can start: its data and model loaded
     runs.write_json_atomic(
         os.path.join(run_dir, "sft_stats.json"), {**stats, "dropped_not_numeric": not_numeric}

@@ -51,7 +51,7 @@ import guides
 import loss
 import sage
 from machinery import cli, runs
-from machinery.models import attend_somewhere_under_sdpa, attention_implementation
+from machinery.models import attention_implementation
 from sage import LORA_TARGETS
 from task.grading import RewardError, load_reward_function
 from task.problems import SYSTEM_PROMPT, DataError, build_prompt_ids, load_rows, training_problems
@@ -736,7 +736,7 @@ def build_trainer(args: TRLArgs, num_processes: int = 1) -> SageGRPOTrainer:
     from transformers import AutoTokenizer
 
     validate(args)
-    attend_somewhere_under_sdpa()  # TRL's batches are left-padded too (machinery/models.py)
+    loss.attend_somewhere_under_sdpa()  # TRL's batches are left-padded too
     config = grpo_config(args, num_processes)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     if tokenizer.pad_token is None:

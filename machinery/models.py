@@ -13,7 +13,6 @@ fits on one GPU.
   round away and training would silently stall.
 * On the CPU, freed activations stay with the process for the next micro-batch
   (``keep_freed_memory``).
-* Under SDPA, a left pad's attention row attends to some key (``attend_somewhere_under_sdpa``).
 * AdamW with linear warmup and linear decay (App. E, Table 8). (The policy and its reference
   pi_ref are made in sage.py; what fits the device is machinery/memory_plan.py's to say.)
 """
@@ -114,19 +113,6 @@ def attention_implementation(dtype: torch.dtype) -> str:
     return "flash_attention_2" if half and is_flash_attn_2_available() else "sdpa"
 
 
-def attend_somewhere_under_sdpa() -> None:
-    """Under SDPA, let a query row that attends to no key (a left pad's: its keys are all padding)
-    attend to every key. CUDA's fused kernels give NaN for such a row, in the backward pass at
-    least, and it reaches every gradient (docs/gpu.md); no other row changes."""
-    from transformers import masking_utils
-
-    def sdpa_mask(*args, **kwargs):  # [B, 1, Q, K] bool, True where a query attends; or None
-        mask = masking_utils.sdpa_mask(*args, **kwargs)
-        return mask if mask is None else mask | ~mask.any(dim=-1, keepdim=True)
-
-    masking_utils.AttentionMaskInterface.register("sdpa", sdpa_mask)
-
-
 def enable_gradient_checkpointing(model) -> None:
     """Recompute each layer's activations in the backward: one layer input per token is kept
     instead of all activations (a 7B Qwen2 keeps ~10 MB per token without it: docs/gpu.md).
@@ -176,7 +162,6 @@ def load_base_model(path: str, gradient_checkpointing: bool = False, full_finetu
     from transformers import AutoModelForCausalLM
 
     device, dtype = device_and_dtype(full_finetune)
-    attend_somewhere_under_sdpa()  # left-padded batches: no NaN from a pad's row on CUDA
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attention_implementation(dtype)

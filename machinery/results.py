@@ -25,7 +25,6 @@ import time
 
 import torch
 
-from machinery.models import attend_somewhere_under_sdpa
 from machinery.runs import write_jsonl_atomic
 from task.problems import DataError
 
@@ -81,7 +80,6 @@ def load_merged_model(model_path: str, adapter_path: str | None, dtype: str):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    attend_somewhere_under_sdpa()  # the support probe's batches are left-padded
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
     if not adapter_path:

@@ -18,7 +18,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CORE = ["sage", "rollout", "guides", "loss", "evaluate"]
 PACKAGES = ["extras", "machinery", "task", "toy"]
-MACHINERY_LIMIT = 2100  # the machinery/ modules that `import sage` loads (2,100 now)
+MACHINERY_LIMIT = 2100  # the machinery/ modules that `import sage` loads (2,097 now)
 TASK_LIMIT = 850  # the task/ modules that `import sage` loads (849 now)
 EXTRAS_EVERY_RUN = ["extras", "extras.flags"]  # the extras' flags (dataclasses), parsed by sage.py
 
@@ -123,7 +123,9 @@ def test_import_sage_loads_the_chapters_machinery_the_task_and_of_the_extras_the
 UPDATE_MACHINERY = {"machinery/fast_logprobs.py"}
 
 
-def test_one_update_runs_chapter_code_only_from_the_graded_rollouts_to_the_optimizer_step(tiny):
+def test_one_update_runs_chapter_code_only_from_the_graded_rollouts_to_the_optimizer_step(
+    tiny, monkeypatch
+):
     """The default step (LoRA, pi_ref the adapter switched off, the branch guide, k3, the fast
     log-prob kernel) from graded rollouts on: the batch, pi_ref's log-probs, the advantages, log
     q, the loss and its metrics, the backward and AdamW. Every project function it calls is in a
@@ -131,10 +133,15 @@ def test_one_update_runs_chapter_code_only_from_the_graded_rollouts_to_the_optim
     import copy
 
     import torch
+    from transformers import masking_utils
 
+    import loss
     import sage
     from machinery import models
 
+    mapping = masking_utils.AttentionMaskInterface._global_mapping
+    monkeypatch.setitem(mapping, "sdpa", mapping["sdpa"])  # restored after the test
+    loss.attend_somewhere_under_sdpa()  # the SDPA mask load_policy installs runs in the update
     model, tokenizer = tiny
     config = sage.Config(model="tiny", prompts_per_step=2, rollouts=4, micro_batch_size=4)
     assert config.guide.name == "branch" and config.fast_logprobs  # the default step

@@ -1077,3 +1077,62 @@ def test_the_logged_k3_is_the_penalty_k3():
     mask = case["completion_mask"]
     k3 = loss.anchor_penalty(case["logps"], case["ref_logps"], "reverse", "k3")
     assert metrics["kl/ref_k3"] == pytest.approx(((k3 * mask).sum() / mask.sum()).item())
+
+
+@pytest.mark.cuda_kernels  # on a GPU node CUDA's fused SDPA kernels, else the CPU's
+@pytest.mark.parametrize("group_size", [1, 2], ids=["one-pass", "shared-prompt-cache"])
+def test_a_left_pads_attention_row_attends_somewhere_and_nothing_else_moves(
+    group_size, tiny_model_dir, monkeypatch
+):
+    """Prompts of different lengths in one micro-batch are left-padded (``collate``): a pad's
+    query row has no key to attend to, and CUDA's fused SDPA kernels give NaN for such a row,
+    which the backward pass spreads to every gradient (docs/gpu.md). The trainer's and the hf
+    engine's loaders install a mask (``attend_somewhere_under_sdpa``) under which every row SDPA
+    gets attends to some key and every gradient is finite: through checkpointed layers in one
+    pass, and through a shared prompt's cache; on the CPU the log-probs and gradients are bit for
+    bit those of transformers' own mask."""
+    from transformers import masking_utils
+
+    from extras import hf_engine
+
+    mapping = masking_utils.AttentionMaskInterface._global_mapping  # restored after the test
+    monkeypatch.setitem(mapping, "sdpa", masking_utils.sdpa_mask)
+    config = sage.Config(model=tiny_model_dir, gradient_checkpointing=group_size == 1)
+    policy = sage.load_policy(config, tiny_model_dir, pad_id=0).policy  # the trainer's, LoRA
+    attending = mapping["sdpa"]
+    assert attending is not masking_utils.sdpa_mask  # the trainer's loader installed it
+    mapping["sdpa"] = masking_utils.sdpa_mask
+    hf_engine.HFEngine(tiny_model_dir, max_model_len=1024, model=policy)
+    assert mapping["sdpa"] is not masking_utils.sdpa_mask  # and the hf backend's
+    prompts, completions = [[5, 6, 7, 8, 9], [7, 8]], [[10, 11], [12]]
+    if group_size == 2:  # two completions of each prompt: the prompt runs once, then its cache
+        prompts, completions = [p for p in prompts for _ in "ab"], [*completions, *completions]
+    device = policy.device
+    batch = loss.collate(prompts, completions, pad_id=0, device=device, group_size=group_size)
+    assert batch["group_size"] == group_size
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    masks = []
+
+    def recording_sdpa(*args, attn_mask=None, **kwargs):
+        masks.append(attn_mask)
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    def logps_and_gradients(mask_function):
+        mapping["sdpa"] = mask_function
+        masks.clear()
+        policy.zero_grad(set_to_none=True)
+        logps, _ = loss.completion_logps(policy, batch, temperature=1.0, min_p=0.0)
+        (logps * batch["completion_mask"]).sum().backward()
+        trained = [p for p in policy.parameters() if p.requires_grad]
+        return logps.detach(), [p.grad.clone() for p in trained]
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    own_logps, own_gradients = logps_and_gradients(masking_utils.sdpa_mask)
+    assert any((~mask.any(dim=-1)).any() for mask in masks)  # a pad's row with no key
+    logps, gradients = logps_and_gradients(attending)
+    assert masks and all(mask.any(dim=-1).all() for mask in masks)  # every row attends
+    assert torch.isfinite(logps).all() and all(torch.isfinite(g).all() for g in gradients)
+    assert any(g.abs().sum() > 0 for g in gradients)
+    if device.type == "cpu":
+        assert torch.equal(logps, own_logps)
+        assert all(torch.equal(g, own) for g, own in zip(gradients, own_gradients))
