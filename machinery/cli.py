@@ -429,22 +429,29 @@ def check_run_dir(run_dir: str, config, with_reference: bool) -> None:
         raise SystemExit(
             f"error: --resume but no checkpoint in {checkpoint}; drop --resume to start fresh"
         )
-    saved_config = os.path.join(run_dir, "config.json")
-    if config.resume and os.path.exists(saved_config):  # the flags that shaped its checkpoint
-        with open(saved_config) as handle:
-            saved = json.load(handle)
-        shaping = SHAPING[:2] if config.full_finetune else SHAPING  # (no adapter: no rank)
-        said = [
-            f"--{name.replace('_', '-')} {getattr(config, name)} (was {saved.get(name)})"
-            for name in shaping
-            if same_path(saved.get(name)) != same_path(getattr(config, name))
-        ]
-        if said:
-            raise SystemExit(
-                f"error: --resume with {', '.join(said)}: the checkpoint's tensors have the shapes "
-                "of the flags the run started with; resume with those, or pass --name for a new run"
-            )
+    if config.resume:
+        check_resumed_flags(os.path.join(run_dir, "config.json"), config)
     if config.full_finetune and not torch.cuda.is_available():
         memory_plan.check_full_finetune_fits(
             config.model, with_reference=with_reference, with_engine=config.backend == "vllm"
+        )
+
+
+def check_resumed_flags(saved_config: str, config) -> None:
+    """--resume with the flags that shaped the checkpoint's tensors (``SHAPING``), as the run's
+    ``saved_config`` (its config.json) recorded them."""
+    if not os.path.exists(saved_config):
+        return
+    with open(saved_config) as handle:
+        saved = json.load(handle)
+    shaping = SHAPING[:2] if config.full_finetune else SHAPING  # (no adapter: no rank)
+    said = [
+        f"--{name.replace('_', '-')} {getattr(config, name)} (was {saved.get(name)})"
+        for name in shaping
+        if same_path(saved.get(name)) != same_path(getattr(config, name))
+    ]
+    if said:
+        raise SystemExit(
+            f"error: --resume with {', '.join(said)}: the checkpoint's tensors have the shapes "
+            "of the flags the run started with; resume with those, or pass --name for a new run"
         )

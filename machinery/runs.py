@@ -235,17 +235,7 @@ class RunLogger:
 
             self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
         if "wandb" in names:
-            import wandb
-
-            name = os.path.basename(run_dir)  # also the run's id: --resume continues it
-            self.wandb = wandb.init(
-                project=os.environ.get("WANDB_PROJECT", "sage-rl"),
-                name=name,
-                id=name,
-                dir=run_dir,
-                config=dataclasses.asdict(config),
-                resume="allow" if config.resume else None,
-            )
+            self.wandb = start_wandb(config, run_dir)
 
     def log(self, record: dict, step: int) -> None:
         """One line of metrics.jsonl; its numbers to the trackers."""
@@ -329,6 +319,21 @@ class RunLogger:
             import wandb
 
             wandb.teardown()  # finishes the run, ends the service process wandb.init started
+
+
+def start_wandb(config, run_dir: str):
+    """A W&B run named after the run directory, its id too: --resume continues it."""
+    import wandb
+
+    name = os.path.basename(run_dir)
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "sage-rl"),
+        name=name,
+        id=name,
+        dir=run_dir,
+        config=dataclasses.asdict(config),
+        resume="allow" if config.resume else None,
+    )
 
 
 def memory_line(peak_gb: float, forecast_gb: float, what: str) -> str:
