@@ -122,9 +122,9 @@ def completion_logps(model, batch: dict, temperature: float, min_p: float, fast:
 def attend_somewhere_under_sdpa() -> None:
     """Let a left pad's attention row attend to every key, under SDPA, for every model of this
     process (transformers' ``AttentionMaskInterface``; the loaders of a model that reads
-    ``collate``'s batches call it). Its own keys are all padding, so the row attends to none,
-    and CUDA's fused kernels give NaN for such a row, in the backward pass at least, which then
-    reaches every gradient (docs/gpu.md). No other row changes, and nothing reads a pad's row."""
+    ``collate``'s batches call it). Every key up to a left pad is padding, so its row attends to
+    none, and CUDA's fused kernels give NaN for such a row, in the backward pass at least, which
+    then reaches every gradient (docs/gpu.md). No other row changes; nothing reads a pad's row."""
     from transformers import masking_utils
 
     def sdpa_mask(*args, **kwargs):  # [B, 1, Q, K] bool, True where a query attends; or None
