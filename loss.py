@@ -287,8 +287,9 @@ def aggregate(
     per_token, completion_mask, mode="grpo", max_completion_length=None, global_num_tokens=None
 ) -> torch.Tensor:
     """Reduce [B, C] per-token losses to a scalar. grpo: the mean of each sequence's token mean;
-    batch_token_mean: the batch's token mean (TRL's "bnpo"); dr_grpo: the sum over tokens divided
-    by B * max_completion_length; dapo: the sum divided by the step's tokens (global_num_tokens).
+    dr_grpo: the sum over tokens divided by B * max_completion_length; batch_token_mean (TRL's
+    "bnpo") and dapo: the token mean, the sum divided by the step's tokens (``global_num_tokens``;
+    None: this batch's), so that a step cut into micro-batches keeps the step's token mean.
 
     >>> per_token = torch.tensor([[1.0, 1.0, 0.0], [4.0, 0.0, 0.0]])
     >>> mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
@@ -302,25 +303,22 @@ def aggregate(
     if mode == "grpo":
         per_sequence = (per_token * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)
         return per_sequence.mean()
-    if mode == "batch_token_mean":
-        return total / mask.sum().clamp_min(1.0)
     if mode == "dr_grpo":
         if not max_completion_length:
             raise ValueError("dr_grpo aggregation needs max_completion_length (the max_tokens)")
         return total / (per_token.shape[0] * max_completion_length)
-    if mode == "dapo":
+    if mode in ("batch_token_mean", "dapo"):
         count = mask.sum() if global_num_tokens is None else global_num_tokens
         return total / torch.as_tensor(count, device=mask.device).clamp_min(1.0)
     raise ValueError(f"unknown loss aggregation {mode!r}: choose one of {', '.join(AGGREGATIONS)}")
 
 
-def micro_batch_weight(aggregation: str, micro_rows: int, total_rows: int, num_micro_batches: int):
+def micro_batch_weight(aggregation: str, micro_rows: int, total_rows: int):
     """Scale of a micro-batch's loss so that the accumulated gradient is the step's: rows / total
-    for the sequence means, 1 / micro-batches for TRL's per-micro-batch token mean, 1 for dapo."""
+    for the sequence means (grpo, dr_grpo), 1 for the token means (already over the step's
+    tokens)."""
     if aggregation in ("grpo", "dr_grpo"):
         return micro_rows / total_rows
-    if aggregation == "batch_token_mean":
-        return 1.0 / num_micro_batches
     return 1.0
 
 
@@ -384,9 +382,9 @@ def policy_loss(
 
     logps [B, C] is log pi_theta(y_t), the only input with a gradient; advantages [B] come from
     ``compute_advantages``; completion_mask [B, C] is 1 on completion tokens; step_tokens counts
-    the completion tokens of the optimizer step (dapo). Returns (loss, metrics as floats); the
-    caller adds the guide's offset (``anchor_offset``) where q is one number per position. A
-    NaN in the inputs surfaces as a non-finite loss, which the trainer refuses.
+    the completion tokens of the optimizer step (the token means'). Returns (loss, metrics as
+    floats); the caller adds the guide's offset (``anchor_offset``) where q is one number per
+    position. A NaN in the inputs surfaces as a non-finite loss, which the trainer refuses.
     """
     shape = completion_mask.shape  # [B, C]
     assert completion_mask.dim() == 2 and completion_mask.sum() > 0, "no completion token"

@@ -689,10 +689,7 @@ def update_policy(
             if not torch.isfinite(micro_loss):
                 raise FloatingPointError(f"the loss is {micro_loss.item()}: {hint}")
             weight = loss.micro_batch_weight(
-                config.loss.aggregation,
-                micro_rows=len(rows),
-                total_rows=total_rows,
-                num_micro_batches=len(batches),
+                config.loss.aggregation, micro_rows=len(rows), total_rows=total_rows
             )
             (micro_loss * weight).backward()
             gap = rollout.engine_gap(fixed.old_logps, fixed.engine_logps, mask=mask)

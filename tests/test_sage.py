@@ -283,12 +283,12 @@ class GradientRecorder:
             p.grad = None
 
 
-@pytest.mark.parametrize("aggregation", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("aggregation", ["grpo", "batch_token_mean", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("guide", ["branch", "token"])
 def test_micro_batches_accumulate_the_full_batch_gradient(tiny, aggregation, guide, float64_qwen2):
-    """Splitting a step into micro-batches must not change its gradient (TRL's per-micro-batch
-    token mean, batch_token_mean, is the one aggregation defined per micro-batch). In float64, held
-    to float64's rounding bound."""
+    """Splitting a step into micro-batches must not change its gradient: --micro-batch-size is a
+    memory setting (batch_token_mean too is the step's token mean, not TRL's per-micro-batch
+    one). In float64, held to float64's rounding bound."""
     _, tokenizer = tiny
     rollouts, rewards = _rollouts(num_groups=3, group_size=4)
     advantages = loss.compute_advantages(rewards, 4, "grpo")

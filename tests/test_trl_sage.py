@@ -177,7 +177,11 @@ def reference_loss(trainer, inputs, guide_config, kl_estimator):
             trl_sage.guide_generator(trainer.args.seed, 0, 0, 0),
         )
     aggregation = trl_sage.AGGREGATIONS[trainer.loss_type]
-    global_tokens = inputs["num_items_in_batch"] * ACCUMULATION / trainer.args.steps_per_generation
+    global_tokens = None  # TRL's bnpo: each micro-batch's own token mean
+    if aggregation == "dapo":  # TRL's dapo: over the accumulation window's tokens
+        global_tokens = (
+            inputs["num_items_in_batch"] * ACCUMULATION / trainer.args.steps_per_generation
+        )
     importance = inputs.get("importance_sampling_ratio")
     weights = None if importance is None else importance.expand_as(mask)
     fixed = loss.HeldFixed(
