@@ -809,7 +809,6 @@ def main(argv: list[str] | None = None) -> dict:
                 metrics |= train_on(
                     learner, rollouts, rewards=rewards, config=config, step=step, timer=timer
                 )
-            scheduler.step()
             # 5. the weight push into the engine
             with timer("sync"):
                 engine.sync_weights(policy)
@@ -820,9 +819,10 @@ def main(argv: list[str] | None = None) -> dict:
                 rewards=rewards,
                 metrics=metrics,
                 timer=timer,
-                lr=scheduler.get_last_lr()[0],
+                lr=scheduler.get_last_lr()[0],  # the one this step trained with
                 progress=progress,
             )
+            scheduler.step()
             evaluate_if_due(engine, policy, tokenizer, held_out, config, logger, updates=step + 1)
             progress.update()
             # 7. checkpoint (and --stop-after)

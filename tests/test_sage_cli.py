@@ -129,6 +129,9 @@ def test_two_step_cli_run(tmp_path, algo, guide):
     run_dir = tmp_path / "run"
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [0, 1]
+    # each step's learning rate, the one it trained with: the demo's --lr 5e-4, no warmup step
+    # (--warmup-ratio 0.05 of 2 steps), then linear decay to 0 over the 2 steps
+    assert [m["lr"] for m in metrics] == pytest.approx([5e-4, 2.5e-4], rel=1e-12)
     for record in metrics:
         for key in (
             "reward",
