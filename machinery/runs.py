@@ -95,9 +95,12 @@ def append_jsonl(path: str, record: dict) -> None:
 
 
 def truncate_jsonl(path: str, before_step: int) -> None:
-    """On resume: drop the lines of steps the checkpoint does not include (they will be redone)."""
+    """On resume: drop the lines of steps the checkpoint does not include (they will be redone),
+    and a last line that a crash or a full disk cut short (it lacks its newline)."""
     if os.path.exists(path):
-        write_jsonl_atomic(path, [row for row in read_jsonl(path) if row["step"] < before_step])
+        with open(path) as handle:  # (the text after the last newline: a line cut short)
+            rows = [json.loads(line) for line in handle.read().split("\n")[:-1] if line.strip()]
+        write_jsonl_atomic(path, [row for row in rows if row["step"] < before_step])
 
 
 def save_model_atomic(model, tokenizer, final: str) -> str:

@@ -142,6 +142,18 @@ def test_truncate_metrics_drops_steps_to_redo(tmp_path):
         assert [json.loads(line)["step"] for line in handle] == [0, 1, 2]
 
 
+def test_a_line_a_full_disk_cut_short_does_not_stop_the_resume(tmp_path):
+    """The full disk's line says the run can be resumed: a metrics line it cut short (no newline)
+    is dropped with the steps to redo, and the lines before it are kept."""
+    path = tmp_path / "metrics.jsonl"
+    for step in range(3):
+        runs.append_jsonl(str(path), {"step": step, "reward": step / 10})
+    with open(path, "a") as handle:
+        handle.write('{"step": 3, "rew')  # what the write of step 3 got onto the disk
+    runs.truncate_jsonl(str(path), 5)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2]
+
+
 def test_report_to_names_are_checked(monkeypatch):
     assert runs.parse_report_to("tensorboard, wandb") == ["jsonl", "tensorboard", "wandb"]
     assert runs.parse_report_to("wandb") == ["jsonl", "wandb"]
