@@ -159,8 +159,11 @@ class Config:
     """Warn after this many consecutive steps whose rewards are all zero."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """pass@k during training (evaluate.py)."""
-    extras: dict[str, Any] = field(default_factory=dict, metadata={"flag": None})
-    """The extras' knobs by name (EXTRAS), filled by parse_config."""
+    extras: dict[str, Any] = field(
+        default_factory=lambda: {name: section() for name, section in EXTRAS.items()},
+        metadata={"flag": None},
+    )
+    """The extras' knobs by name (EXTRAS): their defaults, or parse_config's from the flags."""
 
     def __post_init__(self):
         # dr_grpo's constant divisor is the sampler's completion budget
@@ -433,15 +436,12 @@ def generate_rollouts(engine, problems: list[dict], config: Config, seed: int) -
     )
 
 
-def compute_rewards(rollouts: Rollouts, reward_function, config: Config) -> torch.Tensor:
-    """r(x, y) [N] from the reward function (Math-Verify of the final answer by default)."""
+def compute_rewards(rollouts: Rollouts, reward_function) -> torch.Tensor:
+    """r(x, y) [N] from the reward function (Math-Verify of the final answer by default): what
+    the groups' signal, the logged accuracy and self-hints read; DAPO's length penalty is added
+    to the returns later (``train_on``)."""
     texts, problems, answers = rollouts.texts, rollouts.problems, rollouts.answers
-    rewards = torch.tensor(reward_function(texts, problems, answers), dtype=torch.float32)
-    if config.extras["dynamic_sampling"].overlong_buffer > 0:  # DAPO's overlong shaping
-        from extras import dynamic_sampling
-
-        rewards = rewards + dynamic_sampling.overlong_penalty_of(rollouts, config)
-    return rewards
+    return torch.tensor(reward_function(texts, problems, answers), dtype=torch.float32)
 
 
 def informative_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -460,13 +460,13 @@ def collect_rollouts(engine, task: Task, config: Config, step: int, timer):
 
     def sample(chosen: list[dict], seed: int) -> tuple[Rollouts, torch.Tensor]:
         rollouts = generate_rollouts(engine, chosen, config=config, seed=seed)
-        return rollouts, compute_rewards(rollouts, task.reward_function, config=config)
+        return rollouts, compute_rewards(rollouts, task.reward_function)
 
     def timed_sample(chosen: list[dict], seed: int) -> tuple[Rollouts, torch.Tensor]:
         with timer("rollout"):
             rollouts = generate_rollouts(engine, chosen, config=config, seed=seed)
         with timer("reward"):
-            return rollouts, compute_rewards(rollouts, task.reward_function, config=config)
+            return rollouts, compute_rewards(rollouts, task.reward_function)
 
     chosen = [task.problems[i] for i in task.sampler.take(config.prompts_per_step)]
     rollouts, rewards = timed_sample(chosen, rollout.rollout_seed(config.seed, step))
@@ -739,13 +739,20 @@ def train_on(learner: Learner, rollouts: Rollouts, rewards, config: Config, step
             held_fixed_logps(policy, learner.reference, batch, config=config)
             for _, batch in batches
         ]
-    # 3. advantages (with k1_return, of the returns the pseudo-KL shaped)
+    # 3. advantages of the returns: the rewards, less DAPO's length penalty with --overlong-buffer
+    # (the groups were chosen by the rewards alone, as DAPO does), less the pseudo-KL with k1_return
+    returns, shaping = rewards, {}
+    if config.extras["dynamic_sampling"].overlong_buffer > 0:
+        from extras import dynamic_sampling
+
+        penalty = dynamic_sampling.overlong_penalty_of(rollouts, config)  # [N], in [-1, 0]
+        returns, shaping = rewards + penalty, {"overlong_penalty": penalty.mean().item()}
     advantages = step_advantages(
-        rewards, batches, held=held, config=config, step=step, generator=generator
+        returns, batches, held=held, config=config, step=step, generator=generator
     )
     # 4. per micro-batch: forward pass -> log q -> loss -> backward; per pass, AdamW
     with timer("update"):
-        return update_policy(
+        return shaping | update_policy(
             policy,
             learner.optimizer,
             batches=batches,

@@ -4,7 +4,9 @@ and ``--overlong-buffer`` (the ``--algo dapo`` preset turns the first on).
 A group whose G rewards are all equal has advantage 0 everywhere and teaches nothing. Dynamic
 sampling drops such groups and samples fresh prompts until the step holds ``--prompts-per-step``
 groups with signal (or ``--max-refill-rounds`` extra rounds are spent, and the step trains on what
-it has). Overlong shaping lowers the reward of completions that run into the length limit.
+it has). Overlong shaping lowers the return of completions that run into the length limit; as in
+DAPO (whose filter keeps 0 < correct < G), it is added after the groups are chosen, in
+``sage.train_on``, so a group all right or all wrong is dropped whatever its lengths.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -231,6 +232,56 @@ def test_dynamic_sampling_keeps_the_groups_with_signal_and_refills_the_step(max_
         assert len(drawn) == 1 and rewards.tolist() == [1.0, 0.0]
         assert rollouts.problems == ["p1", "p1"]
         assert metrics["frac_zero_signal_groups"] == pytest.approx(3 / 4)
+
+
+def test_dapo_chooses_groups_by_their_answers_and_adds_the_length_penalty_to_the_returns(
+    monkeypatch,
+):
+    """--dynamic-sampling keeps the groups whose answers differ (DAPO's 0 < correct < G) and
+    --overlong-buffer lowers the returns of the rows it kept: a group all right, one of its
+    completions deep in the overlong zone, is dropped (its shaped rewards would differ), and the
+    advantages are of the rewards plus the penalty. Completion budget 10, buffer 4: no penalty
+    up to 6 tokens, -0.5 at 8."""
+    flags = ["--model", "m", "--prompts-per-step", "2", "--rollouts", "2", "--algo", "dapo"]
+    flags += ["--guide", "none", "--max-refill-rounds", "0", "--overlong-buffer", "4"]
+    config = sage.parse_config([*flags, "--max-seq-len", "20", "--max-prompt-len", "10"])
+    replies = [[("right", 2), ("right", 8)], [("right", 8), ("wrong", 2)]]  # (text, tokens)
+
+    def generate(prompts, sampling):
+        return [
+            [
+                SimpleNamespace(
+                    text=text,
+                    token_ids=[7] * length,
+                    finish_reason="stop",
+                    logprobs=[-1.0] * length,
+                )
+                for text, length in group
+            ]
+            for group in replies
+        ]
+
+    def reward(completions, problems, answers):
+        return [float(text == "right") for text in completions]
+
+    problems = [{"problem": f"p{i}", "answer": "1", "prompt_ids": [10 + i]} for i in range(2)]
+    task = sage.Task(problems, sampler=PromptSampler(2, seed=0), reward_function=reward)
+    task.sampler.take = lambda count: [0, 1]
+    engine = SimpleNamespace(generate=generate)
+    rollouts, rewards, metrics = sage.collect_rollouts(
+        engine, task, config, step=0, timer=runs.PhaseTimer()
+    )
+    assert rollouts.problems == ["p1", "p1"] and rewards.tolist() == [1.0, 0.0]
+    assert metrics["frac_zero_signal_groups"] == 0.5
+
+    def advantages_of(returns, *args, **kwargs):
+        raise LookupError(returns.tolist())  # the returns the advantages would be of
+
+    monkeypatch.setattr(sage, "step_advantages", advantages_of)
+    learner = sage.Learner(SimpleNamespace(device="cpu"), None, None, None, torch.Generator(), 0)
+    with pytest.raises(LookupError) as returns:
+        sage.train_on(learner, rollouts, rewards, config, step=0, timer=runs.PhaseTimer())
+    assert returns.value.args[0] == [0.5, 0.0]
 
 
 def _rollouts(num_groups, group_size, seed=0):

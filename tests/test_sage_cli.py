@@ -105,9 +105,15 @@ def read_metrics(run_dir):
 def test_two_step_cli_run(tmp_path, algo, guide):
     # One run asks for the multiprocessing engine: the trainer must keep its engine in-process.
     multiprocessing = "1" if algo == "bnpo" else "0"
-    # DAPO trains only on groups whose rewards differ: overlong shaping makes rewards depend on the
-    # length, so the tiny run's groups carry signal and every step updates.
-    shaping = ["--overlong-buffer", "40"] if algo == "dapo" else []
+    # DAPO trains only on groups whose rewards differ (before the length penalty): a plug-in
+    # reward for longer answers gives the tiny run's groups signal, so every step updates.
+    shaping = []
+    if algo == "dapo":
+        (tmp_path / "longer.py").write_text(
+            "def longer(completions, problems, answers):\n"
+            "    return [len(text) / 100 for text in completions]\n"
+        )
+        shaping = ["--overlong-buffer", "40", "--reward", f"{tmp_path / 'longer.py'}:longer"]
     # One run reports to TensorBoard and W&B (offline: no network) besides metrics.jsonl.
     trackers = ["--report-to", "tensorboard,wandb"] if algo == "dr_grpo" else []
     # The branch run's q is Eq. 11 unclamped and from H = 0 (q_t = 1 + 0.3 H_t), so its q/mean is
@@ -148,6 +154,7 @@ def test_two_step_cli_run(tmp_path, algo, guide):
         ):
             assert key in record
         assert "loss" in record and "grad_norm" in record and "entropy" in record
+        assert ("overlong_penalty" in record) == (algo == "dapo")
         if guide != "none":
             assert "q/mean" in record and record["q/min"] >= Q_LOW and record["q/max"] <= q_high
         if linear_q:  # float32: pairwise means of at most 176 tokens (8 levels) and q's few
