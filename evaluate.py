@@ -661,9 +661,15 @@ def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
     sampling_config(sampling, args.n, seeds[0])  # bad settings fail now, not after loading a model
     results = files.new_results(args, benchmarks, sampling, ks_up_to(args.n))
     files.merge_existing(results, args.out)
-    unprobed = [name for name in benchmarks if "support" not in results["benchmarks"][name]]
-    if args.solution_key and unprobed:  # the support probe, before the engine takes the memory
+    # the support probe, before the engine takes the memory; a resumed file's is kept if it was
+    # made with these fields (its temperature and min-p are the sampling's, checked on resume)
+    probe = {"solution_key": args.solution_key, "group_key": args.group_key}
+    probe["solution_format"] = args.solution_format
+    unprobed = [name for name in benchmarks if results["benchmarks"][name].get("probe") != probe]
+    if args.solution_key and unprobed:
         probe_benchmarks(args, {name: benchmarks[name][1] for name in unprobed}, results)
+        for name in unprobed:
+            results["benchmarks"][name]["probe"] = probe
         write_json_atomic(args.out, results)
     todo = files.pending_seeds(results, seeds, list(benchmarks), args.out)
     if todo:

@@ -171,8 +171,9 @@ def merge_existing(results: dict, out: str) -> None:
     for name, entry in existing["benchmarks"].items():
         if name in results["benchmarks"]:
             results["benchmarks"][name]["seeds"] = entry["seeds"]
-            if "support" in entry:  # the support probe of the same model and problems
-                results["benchmarks"][name]["support"] = entry["support"]
+            for key in ("support", "probe"):  # the support probe and the fields it read
+                if key in entry:
+                    results["benchmarks"][name][key] = entry[key]
         else:
             results["benchmarks"][name] = entry  # keep what an earlier run measured
     results["runs"] = existing.get("runs", [])

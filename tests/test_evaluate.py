@@ -198,6 +198,52 @@ def test_evaluate_problems_counts_correct_samples_per_problem_and_seed(pool):
         assert out["seeds"][str(seed)]["pass_at_k"] == expected
 
 
+def test_a_resumed_files_support_probe_is_made_again_when_the_fields_it_read_change(
+    tmp_path, monkeypatch
+):
+    """A results file's support probe is kept on resume only if it read the same fields: another
+    --solution-format (or --solution-key, --group-key) probes again, and a run that probes
+    nothing keeps what an earlier run measured."""
+    rows = [{**row, "working": row["question"][8:-1]} for row in TINY_PROBLEMS]
+    bench = write_jsonl(tmp_path / "sums.jsonl", rows)
+    out = str(tmp_path / "results.json")
+    probed = []
+
+    def probe(args, benchmarks, results):
+        probed.append(args.solution_format)
+        for name in benchmarks:
+            results["benchmarks"][name]["support"] = {"made with": args.solution_format}
+
+    monkeypatch.setattr(evaluate, "probe_benchmarks", probe)
+    for solution_key, solution_format in [
+        ("working", "paper"),
+        ("working", "paper"),  # the same fields: kept
+        ("working", "prefix"),  # another format: probed again
+        ("", "paper"),  # no probe asked: the last one kept
+    ]:
+        args = eval_args(
+            benchmarks=bench,
+            problem_key="question",
+            answer_key="solution",
+            solution_key=solution_key,
+            solution_format=solution_format,
+            n=2,
+            seeds="0",
+            out=out,
+            grading_workers=1,
+        )
+        evaluate.run_evaluation(args, make_engine=lambda *args, **kwargs: ScriptedEngine())
+    assert probed == ["paper", "prefix"]
+    with open(out) as handle:
+        entry = json.load(handle)["benchmarks"]["sums"]
+    assert entry["support"] == {"made with": "prefix"}
+    assert entry["probe"] == {
+        "solution_key": "working",
+        "group_key": "",
+        "solution_format": "prefix",
+    }
+
+
 def test_run_evaluation_writes_recomputable_results_and_resumes_only_missing_seeds(tmp_path):
     bench = write_jsonl(tmp_path / "sums.jsonl", TINY_PROBLEMS)
     more = write_jsonl(
