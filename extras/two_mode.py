@@ -864,12 +864,17 @@ def logit(log_p: float) -> float:
 
 def plateaued(points: list[dict], rewards: list[float], steps: int) -> bool:
     """The plateau test: over the last 20% of the steps, log pi(B) at the evaluations, and the
-    means of the reward over five equal blocks, each move less than PLATEAU_NATS (largest minus
-    smallest)."""
+    means of the reward over five equal blocks (each reward its own block where there are fewer
+    than five), each move less than PLATEAU_NATS (largest minus smallest).
+
+    >>> points = [{"step": 16, "log_pi_b": -2.0}, {"step": 20, "log_pi_b": -2.01}]
+    >>> plateaued(points, rewards=[1.0] * 20, steps=20)  # a tail of 4 rewards, all 1
+    True
+    """
     late = [point["log_pi_b"] for point in points if point["step"] >= 0.8 * steps]
     tail = rewards[int(0.8 * steps) :]
     size = max(1, len(tail) // 5)
-    blocks = [sum(tail[i : i + size]) / size for i in range(0, size * 5, size)]
+    blocks = [sum(tail[i : i + size]) / size for i in range(0, min(size * 5, len(tail)), size)]
     return (
         len(late) >= 2
         and max(late) - min(late) < PLATEAU_NATS
