@@ -43,7 +43,7 @@ class AnalysisError(ValueError):
 
 REASONING_PATTERNS = {
     "constraint_setup": re.compile(
-        r"\blet\s+(?:\$|\\\(\s*)?[a-z]\b|\bdenot(?:e|es|ed|ing)\b", re.IGNORECASE
+        r"\blet\s+(?:\$|\\\(\s*)?[a-z](?![a-z])|\bdenot(?:e|es|ed|ing)\b", re.IGNORECASE
     ),
     "structural_reasoning": re.compile(
         r"\b(?:of|in) the form\b|\bdecompos(?:e|es|ed|ing|ition)\b", re.IGNORECASE

@@ -80,6 +80,20 @@ def test_patterns_and_plot_subcommands_on_saved_results(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize(
+    "text, sets_up",
+    [
+        ("Let x be the side.", True),
+        ("Let $a_1$ be the first term.", True),  # a subscripted variable
+        ("let \\(n\\) denote the count", True),
+        ("Let us compute the sum.", False),  # a word, not a variable
+        ("We denote the roots by r and s.", True),
+    ],
+)
+def test_constraint_setup_reads_a_variable_after_let(text, sets_up):
+    assert bool(analysis.REASONING_PATTERNS["constraint_setup"].search(text)) == sets_up
+
+
 def test_a_file_of_the_other_kind_or_an_out_it_cannot_write_is_one_line(tmp_path, capsys):
     """patterns given a results file, plot given a completions file (each reads the other's),
     or either given an --out nothing can be written in: one line naming the file and what to
