@@ -73,11 +73,12 @@ def write_jsonl_atomic(path: str, rows) -> None:
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """The rows of a JSON-lines file ([] if it does not exist)."""
+    """The rows of a JSON-lines file this project wrote ([] if it does not exist), less a last
+    line that a crash or a full disk cut short (it lacks its newline)."""
     if not os.path.exists(path):
         return []
-    with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    with open(path) as handle:  # (the text after the last newline: a line cut short)
+        return [json.loads(line) for line in handle.read().split("\n")[:-1] if line.strip()]
 
 
 def append_jsonl(path: str, record: dict) -> None:
@@ -96,11 +97,9 @@ def append_jsonl(path: str, record: dict) -> None:
 
 def truncate_jsonl(path: str, before_step: int) -> None:
     """On resume: drop the lines of steps the checkpoint does not include (they will be redone),
-    and a last line that a crash or a full disk cut short (it lacks its newline)."""
+    and a last line cut short (``read_jsonl``)."""
     if os.path.exists(path):
-        with open(path) as handle:  # (the text after the last newline: a line cut short)
-            rows = [json.loads(line) for line in handle.read().split("\n")[:-1] if line.strip()]
-        write_jsonl_atomic(path, [row for row in rows if row["step"] < before_step])
+        write_jsonl_atomic(path, [row for row in read_jsonl(path) if row["step"] < before_step])
 
 
 def save_model_atomic(model, tokenizer, final: str) -> str:
