@@ -663,8 +663,7 @@ def run_evaluation(args: EvalArgs, make_engine=None) -> dict:
     files.merge_existing(results, args.out)
     # the support probe, before the engine takes the memory; a resumed file's is kept if it was
     # made with these fields (its temperature and min-p are the sampling's, checked on resume)
-    probe = {"solution_key": args.solution_key, "group_key": args.group_key}
-    probe["solution_format"] = args.solution_format
+    probe = {key: getattr(args, key) for key in ("solution_key", "group_key", "solution_format")}
     unprobed = [name for name in benchmarks if results["benchmarks"][name].get("probe") != probe]
     if args.solution_key and unprobed:
         probe_benchmarks(args, {name: benchmarks[name][1] for name in unprobed}, results)
