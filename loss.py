@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from machinery import cli, fast_logprobs
+from machinery import UsageError, cli, fast_logprobs
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "bnpo")
 KL_MODES = ("reverse", "forward", "none")
@@ -187,6 +187,12 @@ def bnpo_advantages(rewards: torch.Tensor, group_size: int, max_inverse_density:
     """
     groups = _grouped(rewards, group_size)
     p_hat = groups.mean(dim=1)  # [num_groups]
+    if not ((p_hat >= 0.0) & (p_hat <= 1.0)).all():  # f_Beta lives on [0, 1]
+        raise UsageError(
+            f"--advantage bnpo: the groups' mean rewards run from {p_hat.min().item():.3g} to "
+            f"{p_hat.max().item():.3g}, outside [0, 1] where BNPO's Beta density is defined: "
+            "use a reward in [0, 1] or another --advantage"
+        )
     alpha, beta = bnpo_beta_parameters(p_hat)
     density = beta_density(p_hat, alpha, beta)
     inverse = (1.0 / density).clamp(max=max_inverse_density).nan_to_num(max_inverse_density)
@@ -359,6 +365,8 @@ class LossConfig:
         """One line, naming the flag, for a setting the loss cannot run."""
         if (problem := cli.field_problem(self)) is not None:  # the fields' choices and ranges
             raise ValueError(problem)
+        if self.advantage == "bnpo" and self.kl_estimator == "k1_return":  # (bnpo_advantages)
+            raise ValueError("--kl-estimator k1_return's returns leave --advantage bnpo's [0, 1]")
 
 
 @dataclass

@@ -296,6 +296,8 @@ def check_config(config, error) -> None:
             "--eval-solution-key: the support probe replays the sampler's temperature and min-p, "
             "not top-p or top-k; train with --top-p 1.0 --top-k -1 (the paper's) to probe it"
         )
+    if config.extras["dynamic_sampling"].overlong_buffer and anchor.advantage == "bnpo":
+        error("--overlong-buffer takes returns out of --advantage bnpo's [0, 1]: drop one")
     if config.extras["dynamic_sampling"].overlong_buffer >= budget:
         error(
             f"--overlong-buffer must be below the completion budget (--max-seq-len minus "
@@ -368,8 +370,7 @@ def check_eval_args(args) -> str | None:
 
 
 def nvidia_gpu_visible() -> bool:
-    """An NVIDIA GPU's device file is there (its driver is loaded), unless CUDA_VISIBLE_DEVICES
-    hides every GPU on purpose."""
+    """An NVIDIA GPU's device file is there, unless CUDA_VISIBLE_DEVICES hides every GPU."""
     if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
         return False
     return bool(glob.glob("/dev/nvidia[0-9]*"))

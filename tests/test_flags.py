@@ -73,6 +73,11 @@ def test_the_sweep_covers_every_numeric_flag():
         (["--eval-solution-key", "w", "--top-p", "0.9"], "not top-p or top-k; train with"),
         (["--self-hints"], "--self-hints needs --solution-key"),
         (
+            ["--algo", "bnpo", "--overlong-buffer", "8"],
+            "--overlong-buffer takes returns out of --advantage bnpo's [0, 1]: drop one",
+        ),
+        (["--advantage", "bnpo", "--kl-estimator", "k1_return"], "k1_return's returns leave"),
+        (
             ["--eval-solution-format", "raw"],
             "argument --eval-solution-format: invalid choice: 'raw'",
         ),

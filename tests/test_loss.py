@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 import bounds
 import loss
 import sage
-from machinery import fast_logprobs
+from machinery import UsageError, fast_logprobs
 from machinery.fast_logprobs import chunked_token_logps_and_entropies
 
 # --------------------------------------------------------------------------------------------
@@ -459,6 +459,14 @@ def test_bnpo_without_spread_in_success_rates_is_dr_grpo():
     rewards = torch.tensor([1.0, 0, 0, 0])
     assert loss.bnpo_beta_parameters(torch.tensor([0.25])) == (1.0, 1.0)
     assert loss.bnpo_advantages(rewards, 4).tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
+
+
+def test_bnpo_refuses_returns_outside_the_unit_interval_in_one_line():
+    # An overlong penalty of -0.75 (or a plug-in reward) takes a group's mean below 0, where the
+    # Beta density is NaN: that group's advantages were the 1e6 clamp's (about 9e4), not order 1.
+    rewards = torch.tensor([1.0, 1, 1, 1, 0, 0, 0, 0] * 7 + [0.0] * 7 + [-0.75])
+    with pytest.raises(UsageError, match=r"mean rewards run from -0.0938 to 0.5, outside \[0, 1\]"):
+        loss.compute_advantages(rewards, 8, "bnpo")
 
 
 def test_bnpo_at_alpha_beta_three_halves_is_proportional_to_grpo():
