@@ -143,12 +143,12 @@ def _grouped(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
             f"rewards must be 1-D with a length divisible by the group size {group_size} "
             f"(prompts x rollouts, grouped by prompt); got shape {tuple(rewards.shape)}"
         )
-    return rewards.float().view(-1, group_size)
+    return rewards.to(torch.promote_types(rewards.dtype, torch.float32)).view(-1, group_size)
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
     """GRPO: A_i = (r_i - mean(r)) / (std(r) + eps) within each prompt's group (section 5), with
-    the unbiased (Bessel) std, as in TRL. All-equal groups give A = 0.
+    the unbiased (Bessel) std, as in TRL.
 
     >>> grpo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4)
     tensor([ 1.4997, -0.4999, -0.4999, -0.4999])
@@ -221,11 +221,20 @@ def beta_density(p: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
 
 
 def compute_advantages(rewards: torch.Tensor, group_size: int, kind: str = "grpo") -> torch.Tensor:
-    """Dispatch: grpo | dr_grpo | rloo | bnpo. rewards: [num_prompts * group_size] -> same shape."""
+    """Dispatch: grpo | dr_grpo | rloo | bnpo. rewards: [num_prompts * group_size] -> same shape.
+    A group whose rewards are all equal carries no signal: its advantages are exactly 0, for
+    every kind (its float mean can be a rounding off, which GRPO's eps would magnify).
+
+    >>> compute_advantages(torch.full((16,), 0.7), 16).abs().max()
+    tensor(0.)
+    """
     functions = (grpo_advantages, dr_grpo_advantages, rloo_advantages, bnpo_advantages)
     if kind not in ADVANTAGES:
         raise ValueError(f"unknown advantage {kind!r}: choose one of {', '.join(ADVANTAGES)}")
-    return dict(zip(ADVANTAGES, functions))[kind](rewards, group_size)
+    advantages = dict(zip(ADVANTAGES, functions))[kind](rewards, group_size)
+    groups = _grouped(rewards, group_size)  # [num_groups, G]
+    no_signal = (groups == groups[:, :1]).all(dim=1, keepdim=True)
+    return advantages.view_as(groups).masked_fill(no_signal, 0.0).flatten()
 
 
 def kl_shaped_rewards(rewards, logps, ref_logps, log_q, completion_mask, beta: float):

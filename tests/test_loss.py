@@ -469,6 +469,23 @@ def test_bnpo_refuses_returns_outside_the_unit_interval_in_one_line():
         loss.compute_advantages(rewards, 8, "bnpo")
 
 
+@pytest.mark.parametrize("kind", loss.ADVANTAGES)
+def test_a_group_of_equal_rewards_has_advantages_of_exactly_zero(kind):
+    # sixteen rewards of 0.7: their float32 mean is a rounding off 0.7, which GRPO's eps of 1e-4
+    # turned into advantages of 6e-4
+    rewards = torch.tensor([0.7] * 16 + [1.0] + [0.0] * 15)
+    advantages = loss.compute_advantages(rewards, 16, kind)
+    assert advantages[:16].tolist() == [0.0] * 16
+    assert advantages[16] > 0 > advantages[17]
+
+
+@pytest.mark.parametrize("kind", loss.ADVANTAGES)
+def test_float64_rewards_give_float64_advantages(kind):
+    # the exact checks feed float64 returns; their advantages were cast to float32
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0], dtype=torch.float64)
+    assert loss.compute_advantages(rewards, 4, kind).dtype == torch.float64
+
+
 def test_bnpo_at_alpha_beta_three_halves_is_proportional_to_grpo():
     # f(p; 3/2, 3/2) = sqrt(p (1 - p)) / B(3/2, 3/2) = (8 / pi) sqrt(p (1 - p)), and a binary
     # group's Bessel std is sqrt(G / (G - 1) p (1 - p)): the two advantages differ by a constant.
