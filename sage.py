@@ -659,7 +659,8 @@ def update_policy(
     pass, the guide's log q from it (unless the held pass gave it), the loss and its backward
     (gradients accumulate into the pass's); then a clipped AdamW step. pi_old, pi_ref and q stay
     the ``held`` ones in every pass (Eq. 3), so from the second pass the ratio and its clip act.
-    Returns the passes' mean metrics; grad_norm is the mean of the passes' norms before clipping."""
+    Returns the passes' mean metrics: loss is what the backward passes take, the sum over
+    micro-batches of loss x micro_batch_weight; grad_norm the norm before clipping."""
     if config.ppo_epochs > 1 and any(fixed.old_logps is None for fixed in held):
         raise ValueError("--ppo-epochs > 1 needs pi_old's log-probs held before the first pass")
     policy.train()
@@ -667,7 +668,7 @@ def update_policy(
     total_rows = sum(len(rows) for rows, _ in batches)
     step_tokens = float(sum(batch["completion_mask"].sum().item() for _, batch in batches))
     constant_q = config.guide.name in ("branch", "random")  # q is one number per position
-    grad_norms = []
+    grad_norms, step_loss = [], 0.0
     for epoch in range(config.ppo_epochs):
         # a non-finite loss or gradient before any AdamW step cannot come from the learning rate
         hint = "lower --lr or --beta" if step > 0 or epoch > 0 else FIRST_UPDATE_HINT
@@ -692,6 +693,7 @@ def update_policy(
                 config.loss.aggregation, micro_rows=len(rows), total_rows=total_rows
             )
             (micro_loss * weight).backward()
+            step_loss += micro_metrics["loss"] * weight
             gap = rollout.engine_gap(fixed.old_logps, fixed.engine_logps, mask=mask)
             metrics.add({**micro_metrics, **gap}, rows=len(rows))
         # the norm, checked before the clip scales every gradient by max_grad_norm / norm
@@ -704,7 +706,8 @@ def update_policy(
         optimizer.step()  # the next pass's ratio is pi_theta / pi_old with this step's theta
         optimizer.zero_grad(set_to_none=True)
         grad_norms.append(norm.item())
-    return {**metrics.result(), "grad_norm": sum(grad_norms) / len(grad_norms)}
+    passes = config.ppo_epochs
+    return {**metrics.result(), "loss": step_loss / passes, "grad_norm": sum(grad_norms) / passes}
 
 
 def nonfinite_gradients(policy) -> str:

@@ -337,9 +337,9 @@ class GradientRecorder:
 @pytest.mark.parametrize("aggregation", ["grpo", "batch_token_mean", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("guide", ["branch", "token"])
 def test_micro_batches_accumulate_the_full_batch_gradient(tiny, aggregation, guide, float64_qwen2):
-    """Splitting a step into micro-batches must not change its gradient: --micro-batch-size is a
-    memory setting (batch_token_mean too is the step's token mean, not TRL's per-micro-batch
-    one). In float64, held to float64's rounding bound."""
+    """Splitting a step into micro-batches must not change its gradient, nor the loss it logs:
+    --micro-batch-size is a memory setting (batch_token_mean too is the step's token mean, not
+    TRL's per-micro-batch one). In float64, held to float64's rounding bound."""
     _, tokenizer = tiny
     rollouts, rewards = _rollouts(num_groups=3, group_size=4)
     advantages = loss.compute_advantages(rewards, 4, "grpo")
@@ -348,7 +348,7 @@ def test_micro_batches_accumulate_the_full_batch_gradient(tiny, aggregation, gui
         .double()
         .requires_grad_(False)
     )
-    gradients = []
+    gradients, losses = [], []
     for micro_batch_size in (12, 5):
         # token guide: per-completion normalization, so micro-batch boundaries must not matter
         config = sage.Config(
@@ -370,13 +370,17 @@ def test_micro_batches_accumulate_the_full_batch_gradient(tiny, aggregation, gui
             whole = batches[0][1]  # the step in one micro-batch: its longest sequences
         generator = torch.Generator().manual_seed(0)
         fixed = [sage.held_fixed_logps(policy, reference, batch, config) for _, batch in batches]
-        sage.update_policy(
+        metrics = sage.update_policy(
             policy, recorder, batches, fixed, advantages, config, step=0, generator=generator
         )
         gradients.append(recorder.gradient)
+        losses.append(metrics["loss"])
     assert gradients[0].dtype == torch.float64 and gradients[0].abs().max() > 0
     tolerance = gradient_bound(policy, whole, gradients[0])
     torch.testing.assert_close(gradients[1], gradients[0], atol=tolerance, rtol=0)
+    # the token means' micro-batch losses are shares of the step's: their row-weighted mean was
+    # about the step's loss over the number of micro-batches
+    assert losses[1] == pytest.approx(losses[0], rel=1e-12, abs=1e-15)
 
 
 def test_a_non_finite_loss_or_gradient_stops_the_update_in_one_line_naming_where(tiny):
@@ -859,11 +863,16 @@ def test_ppo_epochs_step_after_each_pass_against_the_pi_old_held_before_the_firs
         logps, _, mask, _ = second
         assert (logps - fixed.old_logps)[mask].abs().max() > 0.3  # outside [0.8, 1.2]
     assert max(call[3]["clip_ratio/region"] for call in calls[len(batches) :]) > 0
-    # the metrics are the passes' means: each micro-batch's, weighted by its rows, over both
+    # the loss is the passes' mean of what the backward took: each micro-batch's loss times its
+    # weight, summed over the pass
     rows = [mask.shape[0] for _, _, mask, _ in calls]
     losses = [call[3]["loss"] for call in calls]
-    expected_loss = sum(n * value for n, value in zip(rows, losses)) / sum(rows)
-    assert metrics["loss"] == expected_loss  # the same float64 operations in the same order
+    expected_loss = 0.0
+    for n, value in zip(rows, losses):
+        expected_loss += value * loss.micro_batch_weight(
+            config.loss.aggregation, micro_rows=n, total_rows=sum(rows) // 2
+        )
+    assert metrics["loss"] == expected_loss / 2  # the same float64 operations in the same order
     # clip_grad_norm_'s norm of per-parameter norms against one norm of all N entries: sums of
     # squares (positive terms, relative error gamma_(N + P)), a sqrt per parameter, a square and
     # the last sqrt; then the mean of two passes
