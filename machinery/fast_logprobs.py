@@ -72,8 +72,8 @@ class _TokenLogProbs(torch.autograd.Function):
 
     Each chunk works in preallocated float32 buffers with in-place ops, so the work space is a few
     chunks of rows whatever the input size, and no allocation happens inside the loop.
-    min-p keeps v with pi_T(v) >= min_p * max_v pi_T(v), i.e. exp(z_v - max z) >= min_p, exactly
-    as the sampler does after temperature.
+    min-p keeps v with pi_T(v) >= min_p * max_v pi_T(v), i.e. z_v >= max z + log min_p, as the
+    sampler does after temperature; the backward makes the forward's test on the same floats.
     """
 
     @staticmethod
@@ -101,7 +101,8 @@ class _TokenLogProbs(torch.autograd.Function):
                 # The sampled token is always in the kept set: the sampler kept it, even where
                 # this float32 replay puts it a hair below the threshold (else log pi = -inf).
                 token_e = e.gather(-1, token_ids[rows, None])
-                e.masked_fill_(e < min_p, 0.0).scatter_(-1, token_ids[rows, None], token_e)
+                dropped = z < row_max + math.log(min_p)
+                e.masked_fill_(dropped, 0.0).scatter_(-1, token_ids[rows, None], token_e)
             total = e.sum(dim=-1)  # [n], over the kept set
             # Entropy of that distribution (Eq. 12): H = log sum e - sum(e (z - max)) / sum e;
             # a dropped token has e = 0 and adds nothing, a -inf logit (a masked vocabulary)
@@ -137,11 +138,11 @@ class _TokenLogProbs(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk_rows)
             z = _scaled_rows(logits[rows], ctx.temperature, z_buffer)
             grad = grad_logits[rows] if work_buffer is None else work_buffer[: z.shape[0]]
+            if ctx.min_p > 0.0:  # the forward's test, made before grad overwrites z's storage
+                threshold = row_maxima[rows, None] + math.log(ctx.min_p)
+                dropped = (z < threshold).scatter_(-1, token_ids[rows, None], False)
             torch.sub(z, kept_logsumexp[rows, None], out=grad)  # log pi_T on the kept set
             if ctx.min_p > 0.0:
-                # Dropped by min-p (z - max z < log min_p) <=> log pi_T < log min_p + max z - lse.
-                threshold = math.log(ctx.min_p) + row_maxima[rows] - kept_logsumexp[rows]
-                dropped = (grad < threshold[:, None]).scatter_(-1, token_ids[rows, None], False)
                 grad.masked_fill_(dropped, float("-inf"))
             grad.exp_().mul_(-grad_logps[rows, None])
             grad.scatter_add_(-1, token_ids[rows, None], grad_logps[rows, None])

@@ -254,6 +254,28 @@ def test_min_p_keeps_the_sampled_token_at_the_threshold(path):
     assert logits.grad[0, 3].item() == 0.0  # the token min-p really dropped gets no gradient
 
 
+@pytest.mark.parametrize("inplace_backward", [False, True])
+def test_the_kernels_backward_drops_the_tokens_its_forward_dropped(inplace_backward):
+    """At the min-p threshold, within a rounding of it, the backward must test each token as the
+    forward did: d log pi(y) / dz then sums to 0 over the vocabulary, as any softmax's gradient
+    does. (The backward's test, rewritten against log pi, rounded otherwise in 589 of these
+    4,096 rows, which then summed to up to min_p x max pi.)"""
+    generator = torch.Generator().manual_seed(1)
+    min_p, rows = 0.05, 4096
+    logits = torch.randn(rows, 50, generator=generator) * 3
+    at_threshold = logits.amax(-1) + math.log(min_p)  # token 1 of each row, within 1e-6 of it
+    logits[:, 1] = at_threshold + torch.randn(rows, generator=generator) * 1e-6
+    logits.requires_grad_(True)
+    logps, _ = fast_logprobs.chunked_token_logps_and_entropies(
+        logits.clone(),
+        torch.zeros(rows, dtype=torch.long),
+        min_p=min_p,
+        inplace_backward=inplace_backward,
+    )
+    logps.sum().backward()
+    assert logits.grad.sum(-1).abs().max() < 1e-5  # float32 sums of 50 terms of at most 1
+
+
 @pytest.mark.parametrize("path", LOGPROB_PATHS)
 def test_entropies_closed_forms_and_no_gradient(path):
     token_logps_and_entropies = LOGPROB_PATHS[path]
