@@ -24,7 +24,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from extras import demo  # noqa: E402
-from machinery.runs import SUBPROCESS_ENV  # noqa: E402
+from extras.compare import SUBPROCESS_ENV  # noqa: E402
 
 
 def run(command: list[str]) -> None:

@@ -55,9 +55,18 @@ import time
 
 import rollout
 from machinery import cli
-from machinery.runs import SUBPROCESS_ENV, read_jsonl
+from machinery.runs import read_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The environment of a stage run as a subprocess (this study's, bench/'s): vLLM in-process,
+# no hub, quiet tokenizers, OpenMP threads that sleep after ~1 ms of spinning (docs/history.md).
+SUBPROCESS_ENV = {
+    **os.environ,
+    "GOMP_SPINCOUNT": "100000",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 ARMS = {
     "grpo": ["--guide", "none"],
     "grpo_no_kl": ["--guide", "none", "--kl", "none"],

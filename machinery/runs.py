@@ -28,16 +28,6 @@ from tqdm import tqdm
 
 from machinery import UsageError
 
-# The environment of a stage run as a subprocess (extras/compare.py, bench/): vLLM in-process,
-# no hub, quiet tokenizers, OpenMP threads that sleep after ~1 ms of spinning (docs/history.md).
-SUBPROCESS_ENV = {
-    **os.environ,
-    "GOMP_SPINCOUNT": "100000",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
-
 # --------------------------------------------------------------------------------------------
 # Atomic files
 # --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from extras import demo, two_mode
-from machinery.runs import SUBPROCESS_ENV
+from extras.compare import SUBPROCESS_ENV
 from task.grading import load_reward_function
 
 TASK = two_mode.TwoModeTask(k=2, m=8)
