@@ -157,8 +157,12 @@ def load_checkpoint(run_dir: str, state: tuple) -> int:
     path = os.path.join(checkpoint_dir(run_dir), "trainer_state.pt")
     saved = torch.load(path, weights_only=False)
     policy.load_state_dict(saved["weights"], strict=False)  # the frozen rest is as loaded
-    optimizer.load_state_dict(saved["optimizer"])
-    scheduler.load_state_dict(saved["scheduler"])
+    # AdamW's moments and the schedule's step come back; --lr and --weight-decay are this run's
+    fresh_groups = optimizer.state_dict()["param_groups"]
+    optimizer.load_state_dict(saved["optimizer"] | {"param_groups": fresh_groups})
+    scheduler.load_state_dict(saved["scheduler"] | {"base_lrs": scheduler.base_lrs})
+    scheduler.last_epoch -= 1  # step() sets each group's rate at the saved step, from --lr
+    scheduler.step()
     python_rng, torch_rng, cuda_rngs = saved["rng"]
     random.setstate(python_rng)
     torch.set_rng_state(torch_rng)

@@ -203,6 +203,25 @@ def test_every_tracker_gets_the_same_keys(tmp_path, monkeypatch):
         assert key.encode() in data, key
 
 
+def test_a_resume_trains_at_this_runs_lr_and_weight_decay(tmp_path):
+    """--resume with another --lr or --weight-decay takes them (the checkpoint's optimizer and
+    schedule held the old ones, which a resume kept without a word): the rate at the saved step
+    is the new --lr through the same schedule, and AdamW's moments are the checkpoint's."""
+    whole = run_state()  # --lr 1e-2, --weight-decay 0
+    train_step(whole), train_step(whole)
+    runs.save_checkpoint(str(tmp_path), 2, whole)
+    policy, _, _, sampler, generator = run_state()
+    optimizer, scheduler = models.make_optimizer(policy, 5e-3, 0.1, 10, 1)
+    state = (policy, optimizer, scheduler, sampler, generator)
+    assert runs.restore_or_start(True, str(tmp_path), state) == 2
+    group = optimizer.param_groups[0]
+    assert whole[2].get_last_lr() == [pytest.approx(1e-2 * 8 / 9)]  # (10 - 2) / (10 - 1)
+    assert scheduler.get_last_lr() == [group["lr"]] == [pytest.approx(5e-3 * 8 / 9)]
+    assert group["weight_decay"] == 0.1
+    saved, restored = whole[1].state_dict()["state"], optimizer.state_dict()["state"]
+    assert all(torch.equal(saved[i]["exp_avg"], restored[i]["exp_avg"]) for i in saved)
+
+
 def one_step(logger, timer, step=0):
     """A step's record through ``logger`` (two rollouts, one phase each of sampling and update)."""
     import sage
