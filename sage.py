@@ -800,7 +800,7 @@ def main(argv: list[str] | None = None) -> dict:
     policy, optimizer, scheduler = learner.policy, learner.optimizer, learner.scheduler
     state = (policy, optimizer, scheduler, task.sampler, learner.guide_generator)  # checkpointed
     start = runs.restore_or_start(config.resume, run_dir, state=state)
-    logger = runs.RunLogger(config, run_dir, forecast_gb=forecast_gb)
+    logger = runs.RunLogger(config, run_dir, forecast_gb=forecast_gb, start=start)
     with runs.CountedMemory() as engine_memory:  # CUDA: what the engine keeps in torch's counters
         engine = start_engine(config, base_path, learner)
     if start == 0:  # pass@k (and the probe) of the starting policy, not again on a resume

@@ -220,7 +220,7 @@ class RunLogger:
     bar's figures, and the warnings: all-zero rewards, and on CUDA the trainer's peak memory
     against the plan's forecast (``forecast_gb``)."""
 
-    def __init__(self, config, run_dir: str, forecast_gb: float | None = None):
+    def __init__(self, config, run_dir: str, forecast_gb: float | None = None, start: int = 0):
         self.config, self.run_dir, self.forecast_gb = config, run_dir, forecast_gb
         self.peak_gb = 0.0  # the trainer's highest peak allocated so far (CUDA)
         self.zero_reward_streak = 0
@@ -229,7 +229,8 @@ class RunLogger:
         if "tensorboard" in names:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+            # a resume's steps from ``start`` on replace the ones the stopped run logged
+            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start)
         if "wandb" in names:
             self.wandb = start_wandb(config, run_dir)
 

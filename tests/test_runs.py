@@ -203,6 +203,25 @@ def test_every_tracker_gets_the_same_keys(tmp_path, monkeypatch):
         assert key.encode() in data, key
 
 
+def test_tensorboard_keeps_one_value_per_step_after_a_resume(tmp_path):
+    """A run stopped after logging steps 0-2 and resumed from its checkpoint at step 2 logs step
+    2 again: TensorBoard shows the resumed run's value, once (it showed both)."""
+    import sage
+
+    config = sage.Config(model="tiny", report_to="jsonl,tensorboard")
+    for start, stop in ((0, 3), (2, 4)):
+        logger = runs.RunLogger(config, str(tmp_path), start=start)
+        for step in range(start, stop):
+            logger.log({"step": step, "reward": step + start / 10}, step)
+        logger.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    logged = [(event.step, round(event.value, 6)) for event in events.Scalars("reward")]
+    assert logged == [(0, 0.0), (1, 1.0), (2, 2.2), (3, 3.2)]
+
+
 def test_a_resume_trains_at_this_runs_lr_and_weight_decay(tmp_path):
     """--resume with another --lr or --weight-decay takes them (the checkpoint's optimizer and
     schedule held the old ones, which a resume kept without a word): the rate at the saved step
