@@ -421,7 +421,7 @@ def check_run_dir(run_dir: str, config, with_reference: bool) -> None:
     if problem := unwritable("--out", run_dir, typed=config.out):
         raise SystemExit(f"error: {problem}")
     checkpoint = runs.checkpoint_dir(run_dir)
-    if os.path.exists(checkpoint) and not config.resume:
+    if runs.has_checkpoint(run_dir) and not config.resume:  # (the rename commits one)
         raise SystemExit(
             f"error: {run_dir} already holds a checkpoint; pass --resume to continue it or "
             "--name for a new run"

@@ -350,6 +350,22 @@ def test_a_resume_that_changes_the_checkpoints_shapes_is_one_line_before_anythin
     started("--full-finetune")("--model", "model", "--full-finetune", "--lora-rank", "16")
 
 
+def test_a_checkpoint_a_crash_left_uncommitted_does_not_lock_the_run(tmp_path, monkeypatch):
+    """Killed inside its first checkpoint's write, a run leaves checkpoint/model/ and a
+    temporary trainer_state.pt: no checkpoint (the rename commits one). A rerun without --resume
+    starts it again (it was refused: "already holds a checkpoint"), with --resume is told there
+    is none."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "run" / "checkpoint" / "model").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint" / ".tmp-trainer_state.pt").write_bytes(b"half")
+    fresh = sage.parse_config(["--model", "model", "--out", ".", "--name", "run"])
+    cli.check_run_dir(str(tmp_path / "run"), fresh, with_reference=True)
+    resumed = sage.parse_config(["--model", "model", "--out", ".", "--name", "run", "--resume"])
+    with pytest.raises(SystemExit, match="^error: --resume but no checkpoint in"):
+        cli.check_run_dir(str(tmp_path / "run"), resumed, with_reference=True)
+
+
 def test_the_studies_and_the_demo_refuse_an_out_they_cannot_write_in_one_line(capsys):
     """make demo (extras/two_mode.py), make demo-sums (extras/demo.py) and make compare
     (extras/compare.py) check --out as sage.py does, before any work (they were tracebacks)."""
