@@ -155,7 +155,12 @@ def merge_existing(results: dict, out: str) -> None:
     if not os.path.exists(out):
         return
     with open(out) as handle:
-        existing = json.load(handle)
+        try:
+            existing = json.load(handle)
+        except ValueError:  # (JSONDecodeError, UnicodeDecodeError)
+            existing = None
+    if not isinstance(existing, dict) or not isinstance(existing.get("benchmarks"), dict):
+        raise DataError(f"--out {out} is not a results file of evaluate.py; pass another --out")
     for key in ("model", "sampling", "ks"):
         if existing.get(key) != results[key]:
             raise DataError(

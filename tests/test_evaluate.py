@@ -244,6 +244,17 @@ def test_a_resumed_files_support_probe_is_made_again_when_the_fields_it_read_cha
     }
 
 
+@pytest.mark.parametrize("text", ["notes\n", "[1, 2]\n", '{"model": "m"}\n', "\x80\x81"])
+def test_an_out_that_is_not_a_results_file_is_one_line(tmp_path, text):
+    """--out naming a file evaluate.py did not write (text, a JSON list, a dict without
+    benchmarks, bytes that are not UTF-8): one line, before any work (it was a traceback)."""
+    path = tmp_path / "notes.txt"
+    path.write_bytes(text.encode("latin-1"))
+    with pytest.raises(DataError, match=r"notes.txt is not a results file of evaluate.py; pass"):
+        machinery.results.merge_existing({}, str(path))
+    assert path.read_bytes() == text.encode("latin-1")  # left as it was
+
+
 def test_run_evaluation_writes_recomputable_results_and_resumes_only_missing_seeds(tmp_path):
     bench = write_jsonl(tmp_path / "sums.jsonl", TINY_PROBLEMS)
     more = write_jsonl(
