@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import time
 
@@ -319,14 +320,15 @@ class RunLogger:
 
 
 def start_wandb(config, run_dir: str):
-    """A W&B run named after the run directory, its id too: --resume continues it."""
+    """A W&B run named after the run directory, its id too (W&B's reserved characters made
+    "-"): --resume continues it."""
     import wandb
 
-    name = os.path.basename(run_dir)
+    name = os.path.basename(os.path.normpath(run_dir))
     return wandb.init(
         project=os.environ.get("WANDB_PROJECT", "sage-rl"),
         name=name,
-        id=name,
+        id=re.sub(r"[:;,#?/']", "-", name).strip(),
         dir=run_dir,
         config=dataclasses.asdict(config),
         resume="allow" if config.resume else None,

@@ -203,6 +203,20 @@ def test_every_tracker_gets_the_same_keys(tmp_path, monkeypatch):
         assert key.encode() in data, key
 
 
+def test_a_run_name_with_characters_wandb_reserves_starts_its_wandb_run(tmp_path, monkeypatch):
+    """--name "exp:lr=1e-5,beta=0.05" (or a trailing "/") with --report-to wandb: W&B refuses
+    ":;,#?/'" in a run id, which was a traceback after the model had loaded."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    import sage
+
+    config = sage.Config(model="tiny", report_to="jsonl,wandb")
+    logger = runs.RunLogger(config, str(tmp_path / "exp:lr=1e-5,beta=0.05") + "/")
+    assert logger.wandb.id == "exp-lr=1e-5-beta=0.05"
+    assert logger.wandb.name == "exp:lr=1e-5,beta=0.05"
+    logger.close()
+
+
 def test_tensorboard_keeps_one_value_per_step_after_a_resume(tmp_path):
     """A run stopped after logging steps 0-2 and resumed from its checkpoint at step 2 logs step
     2 again: TensorBoard shows the resumed run's value, once (it showed both)."""
