@@ -112,13 +112,16 @@ def cosine_schedule(
     0.2
     >>> round(cosine_schedule(10, 80, 0.3, 0.1), 6)   # start of cycle 1: upper bound * 0.9
     0.27
+    >>> round(cosine_schedule(5, 10, 0.3, 0.1, num_cycles=6), 6)  # start of cycle 3: 0.3 * 0.9**3
+    0.2187
     """
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
     step = min(max(int(step), 0), total_steps - 1)
-    cycle_length = total_steps / num_cycles
-    cycle = min(int(step // cycle_length), num_cycles - 1)
-    t = (step - cycle * cycle_length) / cycle_length
+    # In integers: a cycle is total_steps / num_cycles steps, which a float may round (100 / 6)
+    # and so put a cycle's first step at the end of the one before.
+    cycle = min(step * num_cycles // total_steps, num_cycles - 1)
+    t = (step * num_cycles - cycle * total_steps) / total_steps
     upper_k = upper * cycle_decay**cycle
     return lower + (upper_k - lower) * 0.5 * (1.0 + math.cos(math.pi * t))
 

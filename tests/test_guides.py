@@ -59,6 +59,17 @@ def test_cosine_schedule_by_hand():
     )
 
 
+def test_a_cycle_that_starts_on_a_step_starts_at_its_upper_bound():
+    # Where cycle k starts exactly on a step (k * total / N whole), that step has the cycle's upper
+    # bound, upper * decay**k, also where total / N has no exact float (100 / 6, 10 / 6).
+    for total in (10, 50, 100, 200, 1000):
+        for cycles in range(1, 13):
+            for k in range(cycles):
+                if k * total % cycles == 0:
+                    value = cosine_schedule(k * total // cycles, total, 0.3, 0.1, cycles)
+                    assert value == pytest.approx(0.3 * 0.9**k), (total, cycles, k)
+
+
 def test_cosine_schedule_rejects_an_empty_run():
     with pytest.raises(ValueError, match="total_steps"):
         cosine_schedule(0, 0, 0.3, 0.1)
