@@ -186,6 +186,10 @@ def normalize_per_completion(
         mean = (values * mask).sum(dim=-1, keepdim=True) / count
         var = (((values - mean) * mask) ** 2).sum(dim=-1, keepdim=True) / count
         w = torch.sigmoid((values - mean) / var.sqrt().clamp_min(1e-6))
+        # a row of equal values is 0.5: its mean's rounding error over the 1e-6 floor is no z-score
+        low = values.masked_fill(~mask, math.inf).amin(dim=-1, keepdim=True)
+        high = values.masked_fill(~mask, -math.inf).amax(dim=-1, keepdim=True)
+        w = torch.where(high > low, w, torch.full_like(w, 0.5))
     else:
         raise ValueError(
             f"unknown normalization {method!r}: choose one of {', '.join(NORMALIZATIONS)}"

@@ -238,6 +238,10 @@ def test_constant_rows_and_single_tokens():
         [0.5] * 3,
         [0.5, 0, 0],
     ]
+    # equal values whose float32 mean is not exact (7 x 7.3): still 0.5, not rounding / 1e-6
+    for method, expected in (("percentile", 0.0), ("rank", 0.5), ("sigmoid", 0.5)):
+        w = guides.normalize_per_completion(torch.full((1, 7), 7.3), torch.ones(1, 7), method)
+        assert w.tolist() == [[expected] * 7], method
 
 
 @pytest.mark.parametrize("normalization", guides.NORMALIZATIONS)
