@@ -215,9 +215,10 @@ def bnpo_beta_parameters(p_hat: torch.Tensor) -> tuple[float, float]:
 def beta_density(p: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
     """f_Beta(p; alpha, beta) = p^(alpha-1) (1-p)^(beta-1) / B(alpha, beta)."""
     log_norm = math.lgamma(alpha) + math.lgamma(beta) - math.lgamma(alpha + beta)
+    dtype = torch.promote_types(p.dtype, torch.float32)  # float32, or float64 for exact checks
     p, exponents = p.double(), torch.tensor([alpha - 1.0, beta - 1.0], dtype=torch.float64)
     log_f = torch.xlogy(exponents[0], p) + torch.xlogy(exponents[1], 1.0 - p)
-    return torch.exp(log_f - log_norm).float()
+    return torch.exp(log_f - log_norm).to(dtype)
 
 
 def compute_advantages(rewards: torch.Tensor, group_size: int, kind: str = "grpo") -> torch.Tensor:

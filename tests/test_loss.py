@@ -474,6 +474,9 @@ def test_bnpo_beta_parameters_and_advantages_by_hand():
     ]
     assert loss.compute_advantages(rewards, 4, "bnpo").tolist() == pytest.approx(expected, rel=1e-5)
     assert loss.beta_density(p_hat, alpha, beta).tolist() == pytest.approx([f1, f1, f2], rel=1e-5)
+    # float64 rewards keep float64 advantages, to float64's rounding (float32's was 6e-8)
+    exact = loss.compute_advantages(rewards.double(), 4, "bnpo")
+    assert exact.dtype == torch.float64 and exact.tolist() == pytest.approx(expected, rel=1e-12)
 
 
 def test_bnpo_without_spread_in_success_rates_is_dr_grpo():
