@@ -263,13 +263,14 @@ def clipped_surrogate(logps, old_logps, advantages, eps_low: float, eps_high: fl
     return -torch.minimum(ratio * advantages, clipped * advantages)
 
 
-def anchor_penalty(logps, anchor_logps, kl: str = "reverse", estimator: str = "k3"):
+def anchor_penalty(logps, anchor_logps, kl: str = "reverse", estimator: str = "k3", old_logps=None):
     """Per-token penalty (times beta) against the anchor log p~ = ref_logps + log_q (Eqs. 5, 8),
     with log u_t = anchor_logps_t - logps_t, all [B, C] (toy/ proves the gradients' claims):
 
     reverse, k2:        (log u)^2 / 2
     reverse, k3:        u - 1 - log u (the paper's, App. E.5; the *forward* KL's gradient)
-    reverse, ratio_k3:  (pi / stop_grad(pi)) * k3 (the value of k3, the gradient of k2)
+    reverse, ratio_k3:  (pi / pi_old) * k3, TRL's use_bias_correction_kl (``old_logps``; None:
+                        stop_grad(pi), on-policy: the value of k3, the gradient of k2)
     reverse, k1_return: 0; the KL is in the return (``kl_shaped_rewards``)
     forward:            u log u - u + 1, the paper's forward-KL baseline (its expected gradient
                         is not the forward KL's: its fixed point is not Eq. 27)
@@ -290,8 +291,8 @@ def anchor_penalty(logps, anchor_logps, kl: str = "reverse", estimator: str = "k
     k3 = log_u.exp() - 1.0 - log_u
     if estimator == "k3":
         return k3
-    if estimator == "ratio_k3":
-        return torch.exp(logps - logps.detach()) * k3
+    if estimator == "ratio_k3":  # the samples are pi_old's: k3 importance-weighted to pi's
+        return torch.exp(logps - (logps.detach() if old_logps is None else old_logps)) * k3
     choices = ", ".join(KL_ESTIMATORS)
     raise ValueError(f"unknown kl estimator {estimator!r}: choose one of {choices}")
 
@@ -437,7 +438,13 @@ def policy_loss(
     if anchored:
         # The anchor is log p~ = log pi_ref + log q (Eqs. 5, 8); GRPO's is log pi_ref.
         anchor_logps = ref_logps + (log_q if log_q is not None else 0.0)  # SAGE: log q enters
-        penalty = anchor_penalty(logps, anchor_logps, kl=config.kl, estimator=config.kl_estimator)
+        penalty = anchor_penalty(
+            logps,
+            anchor_logps,
+            kl=config.kl,
+            estimator=config.kl_estimator,
+            old_logps=old_logps,
+        )
         per_token = per_token + config.beta * penalty
     mask = completion_mask.float()
     loss = aggregate(

@@ -617,6 +617,28 @@ def test_anchor_penalty_values_by_hand():
     assert penalty_and_grad(LOG_U, "none", "k3")[0].tolist() == [0.0] * len(LOG_U)
 
 
+def test_ratio_k3_off_policy_is_trls_bias_corrected_kl():
+    # From the second --ppo-epochs pass pi != pi_old: TRL's use_bias_correction_kl weighs k3 by
+    # pi / pi_old (the samples are pi_old's), in value and in gradient, wherever policy_loss runs.
+    logps = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
+    old_logps = torch.tensor([[-1.3, -1.8, -0.5]], dtype=torch.float64)
+    ref_logps = torch.tensor([[-1.2, -2.5, -0.1]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    config = loss.LossConfig(kl_estimator="ratio_k3", beta=1.0)
+    fixed = loss.HeldFixed(old_logps=old_logps, ref_logps=ref_logps)
+    value, _ = loss.policy_loss(logps, torch.zeros(1, dtype=torch.float64), mask, fixed, config)
+    (gradient,) = torch.autograd.grad(value, logps)
+
+    def trl(logps):  # per token exp(log pi - log pi_old) * k3, then GRPO's mean over the tokens
+        log_u = ref_logps - logps
+        return (torch.exp(logps - old_logps) * (log_u.exp() - 1 - log_u)).mean()
+
+    expected = trl(logps)
+    (expected_gradient,) = torch.autograd.grad(expected, logps)
+    assert value.item() == pytest.approx(expected.item(), rel=1e-12)
+    torch.testing.assert_close(gradient, expected_gradient, rtol=1e-12, atol=0)
+
+
 def test_anchor_penalty_gradients():
     # d/dlog pi with u = exp(log p~ - log pi): k2 -> -log u; k3 -> 1 - u;
     # ratio_k3 -> k3 + (1 - u) = -log u, the gradient of k2 (docs/fixed-points.md).
