@@ -623,26 +623,27 @@ def step_advantages(
 
 
 class StepMetrics:
-    """Metrics over a step's micro-batches: row-weighted means, and the extremes of the "*min" /
-    "*max" keys over the whole step."""
+    """Metrics over a step's micro-batches: the step's token means of the micro-batches' token
+    means (entropy, kl/*, q/*, clip_ratio/*, engine/*), whatever --micro-batch-size, and the
+    extremes of the "*min" / "*max" keys over the whole step."""
 
     def __init__(self):
         self.sums: dict[str, float] = {}
         self.extremes: dict[str, float] = {}
-        self.rows = 0
+        self.tokens = 0.0
 
-    def add(self, metrics: dict[str, float], rows: int) -> None:
-        self.rows += rows
+    def add(self, metrics: dict[str, float], tokens: float) -> None:
+        self.tokens += tokens
         for key, value in metrics.items():
             if key.endswith("min"):
                 self.extremes[key] = min(self.extremes.get(key, value), value)
             elif key.endswith("max"):
                 self.extremes[key] = max(self.extremes.get(key, value), value)
             else:
-                self.sums[key] = self.sums.get(key, 0.0) + value * rows
+                self.sums[key] = self.sums.get(key, 0.0) + value * tokens
 
     def result(self) -> dict[str, float]:
-        return {**{key: value / self.rows for key, value in self.sums.items()}, **self.extremes}
+        return {**{key: value / self.tokens for key, value in self.sums.items()}, **self.extremes}
 
 
 FIRST_UPDATE_HINT = (
@@ -695,7 +696,7 @@ def update_policy(
             (micro_loss * weight).backward()
             step_loss += micro_metrics["loss"] * weight
             gap = rollout.engine_gap(fixed.old_logps, fixed.engine_logps, mask=mask)
-            metrics.add({**micro_metrics, **gap}, rows=len(rows))
+            metrics.add({**micro_metrics, **gap}, tokens=mask.sum().item())
         # the norm, checked before the clip scales every gradient by max_grad_norm / norm
         gradients = [p.grad for p in policy.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(gradients)

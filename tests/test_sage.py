@@ -348,7 +348,7 @@ def test_micro_batches_accumulate_the_full_batch_gradient(tiny, aggregation, gui
         .double()
         .requires_grad_(False)
     )
-    gradients, losses = [], []
+    gradients, losses, logged = [], [], []
     for micro_batch_size in (12, 5):
         # token guide: per-completion normalization, so micro-batch boundaries must not matter
         config = sage.Config(
@@ -375,12 +375,21 @@ def test_micro_batches_accumulate_the_full_batch_gradient(tiny, aggregation, gui
         )
         gradients.append(recorder.gradient)
         losses.append(metrics["loss"])
+        logged.append(metrics)
     assert gradients[0].dtype == torch.float64 and gradients[0].abs().max() > 0
     tolerance = gradient_bound(policy, whole, gradients[0])
     torch.testing.assert_close(gradients[1], gradients[0], atol=tolerance, rtol=0)
     # the token means' micro-batch losses are shares of the step's: their row-weighted mean was
     # about the step's loss over the number of micro-batches
     assert losses[1] == pytest.approx(losses[0], rel=1e-12, abs=1e-15)
+    # and every other metric is the step's token mean (or extreme): entropy, kl/*, q/*, clip
+    # fractions (their row-weighted means of the micro-batches' token means were off by ~1%).
+    # The fractions are float32 sums over the step's tokens: float32's bound over that many.
+    assert {"entropy", "kl/ref_k3", "kl/anchor_k3", "q/mean"} <= logged[0].keys()
+    assert logged[1].keys() == logged[0].keys()
+    bound = bounds.gamma(int(whole["completion_mask"].sum()), torch.float32)
+    for key in logged[0].keys() - {"loss", "grad_norm"}:
+        assert logged[1][key] == pytest.approx(logged[0][key], rel=bound, abs=1e-15), key
 
 
 def test_a_non_finite_loss_or_gradient_stops_the_update_in_one_line_naming_where(tiny):
