@@ -826,6 +826,11 @@ class EvalArgs:
         in code is checked as the command line's is)."""
         if (problem := cli.field_problem(self)) is not None:
             raise ValueError(problem)
+        if self.solution_key and self.temperature == 0:  # logits / 0: every log-prob NaN
+            raise ValueError(
+                "--solution-key with --temperature 0: the support probe reads log-probs at the "
+                "sampling temperature, and greedy decoding has none; pass --temperature > 0"
+            )
 
 
 def evaluate_and_report(args: EvalArgs) -> None:

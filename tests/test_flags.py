@@ -173,6 +173,18 @@ def test_evaluate_refuses_a_probe_that_would_not_measure_the_sampler(argv, messa
     assert code == 2 and message in error and len(error.strip().splitlines()) == 1
 
 
+def test_evaluate_refuses_a_probe_at_temperature_0_as_argparse_does(capsys):
+    """--temperature 0 (greedy) leaves the probe no log-probs (logits / 0): every one was NaN
+    and every problem counted outside the support. Refused as a range is, before any work."""
+    import evaluate
+
+    with pytest.raises(SystemExit) as stop:
+        evaluate.main(["--model", "m", "--solution-key", "s", "--temperature", "0"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert stop.value.code == 2 and "--solution-key with --temperature 0" in last
+    assert "pass --temperature > 0" in last
+
+
 def test_evaluate_refuses_an_unknown_solution_format_as_argparse_does(capsys):
     import evaluate
 
