@@ -522,8 +522,7 @@ def main(argv: list[str] | None = None) -> dict:
         os.path.join(out, "summary.json"), {"study": study, **summary, "contrasts": contrasts}
     )
     plot(summary, os.path.join(out, "passk.png"))
-    passes = list(next(iter(summary.values()))["pass_at_k"])
-    shown = [k for k in dict.fromkeys(["pass@1", "pass@8", passes[-1]]) if k in passes]
+    shown = headline_passes(summary)
     print(format_table(summary, shown))
     per_group = [f"{group}/{k}" for group in ("hard", "easy") for k in shown]
     print(format_table(summary, per_group))
@@ -539,6 +538,18 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  {measure}: {format_interval(differences[measure], sign='+')}")
     print(f"[compare] wrote {out}/summary.json and passk.png ({seconds} s)", file=sys.stderr)
     return summary
+
+
+def headline_passes(summary: dict) -> list[str]:
+    """The pass@k columns of the printed tables: pass@1, pass@8 and the largest k, over every
+    problem (a group's, such as hard/pass@32, has its own table).
+
+    >>> arm = {"pass_at_k": dict.fromkeys(["pass@1", "pass@32", "easy/pass@32", "hard/pass@32"])}
+    >>> headline_passes({"grpo": arm})
+    ['pass@1', 'pass@32']
+    """
+    passes = [k for k in next(iter(summary.values()))["pass_at_k"] if "/" not in k]
+    return [k for k in dict.fromkeys(["pass@1", "pass@8", passes[-1]]) if k in passes]
 
 
 if __name__ == "__main__":
