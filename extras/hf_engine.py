@@ -36,7 +36,7 @@ def sampling_processors(sampling: SamplingConfig) -> list:
         return []  # greedy: argmax of the raw logits
     processors = []
     if sampling.temperature != 1.0:
-        processors.append(TemperatureLogitsWarper(sampling.temperature))
+        processors.append(TemperatureLogitsWarper(float(sampling.temperature)))  # (it takes no int)
     if sampling.min_p > 0:
         processors.append(MinPLogitsWarper(sampling.min_p))
     if sampling.top_k > 0:

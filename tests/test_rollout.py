@@ -413,6 +413,15 @@ def test_vllm_logprobs_match_the_trainers_within_1e_3(base_model, prompts, vllm_
     assert_logprobs_close(errors)
 
 
+def test_the_hf_processors_take_an_integer_temperature_as_vllm_does():
+    # SamplingConfig(temperature=2) is valid and vllm.SamplingParams takes it; transformers'
+    # TemperatureLogitsWarper raised a ValueError for a non-float
+    sampling = rollout.SamplingConfig(temperature=2, min_p=0.0)
+    scores = torch.tensor([[0.0, 1.0, 3.0]])
+    (processor,) = hf_backend.sampling_processors(sampling)
+    assert processor(None, scores).tolist() == [[0.0, 0.5, 1.5]]
+
+
 @pytest.mark.slow
 def test_vllm_top_k_top_p_logprobs_equal_the_hf_processors_on_the_trainers_logits(
     base_model, prompts, vllm_engine
