@@ -49,8 +49,6 @@ def load_rows(
     """Rows of a hub dataset or of a local .jsonl/.json/.parquet/.csv file."""
     extension = os.path.splitext(source)[1].lower()
     looks_local = extension in LOCAL_FORMATS or os.path.exists(source)
-    if looks_local and not os.path.isfile(source):
-        raise DataError(f"cannot load dataset {source!r}: no such file")
     if looks_local and extension not in LOCAL_FORMATS:
         raise DataError(
             f"{source}: unknown file type {extension!r}; use one of {', '.join(LOCAL_FORMATS)}"

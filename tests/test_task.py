@@ -46,6 +46,9 @@ def test_local_dataset_loads_and_missing_dataset_is_one_line(tmp_path):
     with pytest.raises(DataError, match="cannot load dataset") as error:
         load_rows("no-such-user/no-such-dataset-xyz")
     assert "\n" not in str(error.value)
+    with pytest.raises(DataError, match="No such file or directory") as error:
+        load_rows(str(tmp_path / "missing.jsonl"))  # a local file's own line
+    assert "\n" not in str(error.value) and "missing.jsonl" in str(error.value)
 
 
 def test_prompt_sampler_resumes_exactly():
