@@ -10,7 +10,8 @@
    checked by ``import_reward``.
 
 Grading choices the paper leaves open: a short answer inside <SOLUTION> is read as LaTeX (wrapped
-in ``$...$``) unless it is prose or a plain number; the reference answer likewise.
+in ``$...$``) unless it is prose or a plain number; the reference answer likewise. A number in
+e-notation (7.5e-8), anywhere, is 7.5 x 10^-8 (math-verify alone reads 7.5 e - 8, e Euler's).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ _SOLUTION_BLOCK = re.compile(r"<SOLUTION>(.*?)</SOLUTION>", re.DOTALL)
 _LATEX_DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
 _PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")  # a word, not a LaTeX command
 _PLAIN_NUMBER = re.compile(r"\s*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*-?\d+)?\s*%?\s*")
+_E_NOTATION = re.compile(r"(?<![\w.])(-?\d+(?:\.\d+)?)[eE]([-+]?\d{1,3})(?![\w.])")  # 7.5e-8
 
 
 def extract_solution(completion: str) -> str | None:
@@ -98,7 +100,8 @@ def _parse_short_answer(text: str, timeout: int | None) -> list:
 def _grade_math(completion: str, answer: str, timeout: int | None) -> bool:
     from math_verify import parse, verify
 
-    reference = _parse_short_answer(str(answer), timeout)
+    completion = _E_NOTATION.sub(r"\1\\times10^{\2}", completion)  # 7.5e-8: 7.5 x 10^-8
+    reference = _parse_short_answer(_E_NOTATION.sub(r"\1\\times10^{\2}", str(answer)), timeout)
     if not reference:
         return False
     solution = extract_solution(completion)

@@ -141,6 +141,18 @@ GRADING_CASES = [
     (FORMAT.format("(1, 2]"), "(1,2]", True),
     (FORMAT.format("[1, 2)"), "(1,2]", False),
     (FORMAT.format("[0, \\infty)"), "[0,\\infty)", True),
+    # e-notation is a power of ten, in the reference and in the answer (not 7.5 times Euler's e,
+    # minus 8: then the right answers failed and "7.5 e - 8" passed)
+    (FORMAT.format("7.5 \\times 10^{-8}"), "7.5e-8", True),
+    (FORMAT.format("7.5 e - 8"), "7.5e-8", False),
+    (FORMAT.format("6.02e23"), "6.02 \\times 10^{23}", True),
+    (FORMAT.format("2E3"), "2000", True),
+    (FORMAT.format("2e4"), "2000", False),
+    # the same, in $...$, \\boxed{} and free text (math-verify's own extraction)
+    ("The answer is \\boxed{7.5e-8}.", "7.5e-8", True),
+    (FORMAT.format("$7.5e-8$"), "0.000000075", True),
+    (FORMAT.format("\\boxed{2e3}"), "2e3", True),
+    ("so the answer is $6.02e23$", "6.02 \\times 10^{23}", True),
     # the block wins over numbers in the working out
     ("<start_working_out> 12 <end_working_out><SOLUTION> 7 </SOLUTION>", "12", False),
     # wrong, empty and garbage
