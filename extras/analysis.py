@@ -166,7 +166,7 @@ def completion_perplexities(
 
 def plot_results(entries: Sequence[str], out: str) -> None:
     """The paper's Figure 3 from results files, ``[LABEL=]PATH`` each (the label defaults to
-    the model's name, else its adapter's or its directory's name)."""
+    the name of the model's adapter, else of its directory)."""
     labelled = {}
     for entry in entries:
         label, path = _split_label(entry)
@@ -180,10 +180,8 @@ def plot_results(entries: Sequence[str], out: str) -> None:
                 f"{path} is not a results file of evaluate.py; pass the --out of an evaluation"
             )
         model = results.get("model", {})
-        label = (
-            label
-            or model.get("name")
-            or os.path.basename(str(model.get("adapter") or model.get("path") or path).rstrip("/"))
+        label = label or os.path.basename(
+            str(model.get("adapter") or model.get("path") or path).rstrip("/")
         )
         labelled[label if label not in labelled else f"{label} ({path})"] = results
     plot_pass_at_k(labelled, out)
