@@ -280,6 +280,8 @@ def resolve_benchmarks(
                 f"unknown benchmark {entry!r}; use one of {', '.join(BENCHMARKS)} "
                 "or a .jsonl/.parquet file"
             )
+        if name in resolved:  # two files of one stem, or a file named as a benchmark
+            raise DataError(f"--benchmarks has {name!r} twice: give a file once, by its own name")
         problems = []
         for source in benchmark.sources:
             try:
@@ -296,17 +298,15 @@ def resolve_benchmarks(
                     for row in rows
                     if str(row["level"]).removeprefix("Level ") == str(source.level)
                 ]
-            keys = (source.problem_key, source.answer_key)
-            require_fields(rows, keys, source.path, "--problem-key / --answer-key")
+            pairs = training_problems(rows, source.problem_key, source.answer_key, 0, source.path)
             problems += [
                 Problem(
-                    problem=str(row[source.problem_key]),
-                    answer=str(row[source.answer_key]),
+                    **pair,  # problem, answer: each row has an answer
                     grader=benchmark.grader,
                     solution=str(row.get(solution_key) or "").strip() if solution_key else "",
                     group=str(row.get(group_key) or "") if group_key else "",
                 )
-                for row in rows
+                for pair, row in zip(pairs, rows)
             ]
         if benchmark.paper_size and len(problems) != benchmark.paper_size:
             print(

@@ -67,6 +67,24 @@ TINY_PROBLEMS = [
 ]
 
 
+def test_a_benchmark_row_without_an_answer_or_a_second_file_of_one_name_is_one_line(tmp_path):
+    """A null answer was graded as the text "None" (a completion answering None scored), an
+    empty one never matched; two files of one stem kept the second alone, without a word."""
+    rows = [{"problem": "1 + 1", "answer": "2"}, {"problem": "2 + 2", "answer": None}]
+    with pytest.raises(DataError, match="row 1 has no answer in field 'answer'"):
+        resolve_benchmarks(write_jsonl(tmp_path / "nulls.jsonl", rows))
+    rows[1]["answer"] = " "
+    with pytest.raises(DataError, match="row 1 has no answer in field 'answer'"):
+        resolve_benchmarks(write_jsonl(tmp_path / "blanks.jsonl", rows))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = write_jsonl(tmp_path / "a" / "test.jsonl", rows[:1])
+    second = write_jsonl(tmp_path / "b" / "test.jsonl", rows[:1])
+    for twice in (f"{first},{second}", f"{first},{first}"):
+        with pytest.raises(DataError, match="--benchmarks has 'test' twice: give a file once"):
+            resolve_benchmarks(twice)
+
+
 def test_local_jsonl_parquet_and_csv_benchmarks_load_with_custom_keys(tmp_path):
     """The files are written with pyarrow and the csv module, not through an in-memory
     datasets.Dataset: only the reading is the project's."""
