@@ -398,8 +398,8 @@ def torch_build_problem() -> str | None:
     )
 
 
-# The flags that shape a checkpoint's tensors: a run resumed with others cannot load them.
-SHAPING = ("model", "full_finetune", "lora_rank")
+# The flags that shape a checkpoint's tensors, or the base they train: a resume must keep them.
+SHAPING = ("model", "full_finetune", "sft_dataset", "lora_rank")
 
 
 def same_path(value):
@@ -445,14 +445,16 @@ def check_resumed_flags(saved_config: str, config) -> None:
         return
     with open(saved_config) as handle:
         saved = json.load(handle)
-    shaping = SHAPING[:2] if config.full_finetune else SHAPING  # (no adapter: no rank)
+    saved["sft_dataset"] = saved.get("extras", {}).get("sft", {}).get("sft_dataset", "")
+    now = {**vars(config), "sft_dataset": config.extras["sft"].sft_dataset}  # the base trained on
+    shaping = SHAPING[:3] if config.full_finetune else SHAPING  # (no adapter: no rank)
     said = [
-        f"--{name.replace('_', '-')} {getattr(config, name)} (was {saved.get(name)})"
+        f"--{name.replace('_', '-')} {now[name]!r} (was {saved.get(name)!r})"
         for name in shaping
-        if same_path(saved.get(name)) != same_path(getattr(config, name))
+        if same_path(saved.get(name)) != same_path(now[name])
     ]
     if said:
         raise SystemExit(
-            f"error: --resume with {', '.join(said)}: the checkpoint's tensors have the shapes "
-            "of the flags the run started with; resume with those, or pass --name for a new run"
+            f"error: --resume with {', '.join(said)}: the checkpoint's tensors fit the model and "
+            "the flags the run started with; resume with those, or pass --name for a new run"
         )

@@ -333,12 +333,14 @@ def test_an_out_that_cannot_be_written_is_one_line_before_anything_loads(
 def test_a_resume_that_changes_the_checkpoints_shapes_is_one_line_before_anything_loads(
     tmp_path, monkeypatch
 ):
-    """--resume with another --lora-rank, --full-finetune or --model is refused before anything
-    loads (it was a traceback from load_state_dict after the model had loaded); other flags may
-    change (a longer run, another learning rate), the model's directory may be written another
-    way, and a --full-finetune run has no rank to keep."""
+    """--resume with another --lora-rank, --full-finetune, --model or --sft-dataset is refused
+    before anything loads (a traceback from load_state_dict after the model had loaded, or for
+    --sft-dataset an adapter put on another base without a word); other flags may change (a
+    longer run, another learning rate), the model's directory may be written another way, and a
+    --full-finetune run has no rank to keep."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "model").mkdir()
+    (tmp_path / "sft.jsonl").write_text("")
 
     def started(*argv):
         run_dir = tmp_path / "run"
@@ -355,11 +357,17 @@ def test_a_resume_that_changes_the_checkpoints_shapes_is_one_line_before_anythin
     for shaping, said in (
         (["--model", "model", "--lora-rank", "16"], "--lora-rank 16 (was 8)"),
         (["--model", "model", "--full-finetune"], "--full-finetune True (was False)"),
-        (["--model", "org/other", "--lora-rank", "4"], "--model org/other (was model), --lora"),
+        (["--model", "org/other", "--lora-rank", "4"], "--model 'org/other' (was 'model'), --lo"),
+        (["--model", "model", "--sft-dataset", "sft.jsonl"], "--sft-dataset 'sft.jsonl' (was '')"),
     ):
         with pytest.raises(SystemExit, match=rf"^error: --resume with {re.escape(said)}.*new run$"):
             resume(*shaping)
     started("--full-finetune")("--model", "model", "--full-finetune", "--lora-rank", "16")
+    # the checkpoint's adapter was trained on the SFT start: without it, on another base
+    resume = started("--sft-dataset", "sft.jsonl")
+    resume("--model", "model", "--sft-dataset", "./sft.jsonl")
+    with pytest.raises(SystemExit, match=r"^error: --resume with --sft-dataset '' \(was 'sft"):
+        resume("--model", "model")
 
 
 def test_a_checkpoint_a_crash_left_uncommitted_does_not_lock_the_run(tmp_path, monkeypatch):
