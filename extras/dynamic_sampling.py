@@ -41,8 +41,9 @@ def refill(
     ``rollouts`` (a ``sage.Rollouts``) and ``rewards`` [N] are the step's first round;
     ``sample(chosen problems, seed)`` gives (rollouts, rewards) of a further round;
     ``informative(rewards, group_size)`` flags the groups with signal. Returns the step's kept
-    rollouts and rewards (at most prompts x G rows) and its frac_zero_signal_groups, over every
-    round's groups.
+    rollouts and rewards (at most prompts x G rows) and, over every round's groups, its
+    frac_zero_signal_groups and the reward and accuracy of what was sampled (logged in place of
+    the kept rows', which only groups with signal reach: with none kept, they were NaN).
     """
     group_size, wanted = config.rollouts, config.prompts_per_step * config.rollouts
     kept = [(rollouts, rewards, informative(rewards, group_size))]
@@ -64,4 +65,10 @@ def refill(
     rollouts = rollouts.select(list(range(min(len(rewards), wanted))))
     without_signal = sum(int((~flags).sum()) for _, _, flags in kept)
     groups = len(kept) * config.prompts_per_step
-    return rollouts, rewards[:wanted], {"frac_zero_signal_groups": without_signal / groups}
+    sampled = torch.cat([part_rewards for _, part_rewards, _ in kept])  # every round's
+    metrics = {
+        "frac_zero_signal_groups": without_signal / groups,
+        "reward": sampled.mean().item(),
+        "accuracy": (sampled > 0.5).float().mean().item(),
+    }
+    return rollouts, rewards[:wanted], metrics

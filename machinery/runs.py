@@ -281,7 +281,7 @@ class RunLogger:
         if peaks and self.peak_gb <= self.forecast_gb < max(peaks):
             tqdm.write(memory_line(max(peaks), self.forecast_gb, f"step {step}"))
         self.peak_gb = max([self.peak_gb, *peaks])
-        all_zero = rewards.numel() == 0 or rewards.max() <= 0
+        all_zero = record["reward"] <= 0 if rewards.numel() == 0 else rewards.max() <= 0  # DAPO
         self.zero_reward_streak = self.zero_reward_streak + 1 if all_zero else 0
         if self.zero_reward_streak == self.config.zero_reward_warning:
             tqdm.write(

@@ -269,6 +269,33 @@ def one_step(logger, timer, step=0):
     )
 
 
+def test_the_all_zero_warning_counts_steps_without_a_positive_reward_only(tmp_path, capsys):
+    """--zero-reward-warning 2: two steps of zero rewards say so; DAPO's step that kept no group
+    because every group was right (its metrics carry the sampled reward, 1) does not, and logs
+    that reward, not the NaN of no kept rows."""
+    import sage
+
+    rollouts = sage.Rollouts([[1]] * 2, [[2]] * 2, [""] * 2, ["stop"] * 2, [[0.0]] * 2, [], [])
+    none_kept = sage.Rollouts([], [], [], [], [], [], [])
+    config = sage.Config(model="tiny", report_to="jsonl", zero_reward_warning=2)
+    logger = runs.RunLogger(config, str(tmp_path))
+    steps = [
+        (rollouts, torch.zeros(2), {}),
+        (none_kept, torch.zeros(0), {"reward": 1.0, "accuracy": 1.0}),  # every group right
+        (rollouts, torch.zeros(2), {}),
+        (rollouts, torch.zeros(2), {}),
+    ]
+    warned = []
+    for step, (rows, rewards, metrics) in enumerate(steps):
+        logger.log_step(step, rows, rewards=rewards, metrics=metrics, timer=runs.PhaseTimer(), lr=0)
+        said = capsys.readouterr().out.splitlines()
+        warned += [step for line in said if "steps in a row with all-zero rewards" in line]
+    logger.close()
+    assert warned == [3]  # steps 2 and 3; the all-right step broke the streak
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [record["reward"] for record in records] == [0.0, 1.0, 0.0, 0.0]
+
+
 def test_a_cuda_steps_metrics_carry_the_trainers_peak_memory_and_a_cpu_steps_none(
     tmp_path, monkeypatch, capsys
 ):

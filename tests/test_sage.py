@@ -228,10 +228,13 @@ def test_dynamic_sampling_keeps_the_groups_with_signal_and_refills_the_step(max_
         assert len(drawn) == 2 and rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
         assert rollouts.problems == ["p1", "p1", drawn[1][0]["problem"], drawn[1][0]["problem"]]
         assert metrics["frac_zero_signal_groups"] == pytest.approx(4 / 6)
+        sampled = 4 / 12  # the logged reward and accuracy: every round's, not the kept rows'
     else:  # one refill round, without signal: the step trains on the one group it has
         assert len(drawn) == 1 and rewards.tolist() == [1.0, 0.0]
         assert rollouts.problems == ["p1", "p1"]
         assert metrics["frac_zero_signal_groups"] == pytest.approx(3 / 4)
+        sampled = 3 / 8
+    assert metrics["reward"] == metrics["accuracy"] == pytest.approx(sampled)
 
 
 def test_dapo_chooses_groups_by_their_answers_and_adds_the_length_penalty_to_the_returns(
