@@ -799,7 +799,7 @@ def main(argv: list[str] | None = None) -> dict:
     learner = load_policy(config, base_path, pad_id=tokenizer.pad_token_id)
     runs.save_run_config(run_dir, config)  # the run can start: data, reward and model loaded
     policy, optimizer, scheduler = learner.policy, learner.optimizer, learner.scheduler
-    state = (policy, optimizer, scheduler, task.sampler, learner.guide_generator)  # checkpointed
+    state = (policy, optimizer, scheduler, task.sampler, learner.guide_generator, tokenizer)
     start = runs.restore_or_start(config.resume, run_dir, state=state)
     logger = runs.RunLogger(config, run_dir, forecast_gb=forecast_gb, start=start)
     with runs.CountedMemory() as engine_memory:  # CUDA: what the engine keeps in torch's counters

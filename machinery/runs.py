@@ -113,7 +113,7 @@ def save_run_config(run_dir: str, config) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# The checkpoint. ``state`` is (policy, optimizer, scheduler, prompt sampler, guide generator).
+# The checkpoint. ``state``: (policy, optimizer, scheduler, sampler, guide generator, tokenizer).
 # --------------------------------------------------------------------------------------------
 
 
@@ -126,10 +126,10 @@ def has_checkpoint(run_dir: str) -> bool:
 
 
 def save_checkpoint(run_dir: str, step: int, state: tuple) -> None:
-    """<run>/checkpoint after ``step`` optimizer steps: ``model/`` (save_pretrained, for
-    evaluate.py --adapter), then ``trainer_state.pt`` (what --resume reads; its rename commits
-    the checkpoint), then ``trainer_state.json``: the step, for people."""
-    policy, optimizer, scheduler, sampler, guide_generator = state
+    """<run>/checkpoint after ``step`` optimizer steps: ``model/`` with the tokenizer (evaluate.py
+    --adapter, or --model of a --full-finetune), then ``trainer_state.pt`` (what --resume reads;
+    its rename commits the checkpoint), then ``trainer_state.json``: the step, for people."""
+    policy, optimizer, scheduler, sampler, guide_generator, tokenizer = state
     final = checkpoint_dir(run_dir)
     trainer_state = {
         "step": step,
@@ -141,7 +141,7 @@ def save_checkpoint(run_dir: str, step: int, state: tuple) -> None:
         "guide_generator": guide_generator.get_state(),
     }
     try:
-        save_model_atomic(policy, tokenizer=None, final=os.path.join(final, "model"))
+        save_model_atomic(policy, tokenizer=tokenizer, final=os.path.join(final, "model"))
         with atomic_output(os.path.join(final, "trainer_state.pt"), "wb") as handle:
             torch.save(trainer_state, handle)
         write_json_atomic(os.path.join(final, "trainer_state.json"), {"step": step})
@@ -154,7 +154,7 @@ def save_checkpoint(run_dir: str, step: int, state: tuple) -> None:
 
 def load_checkpoint(run_dir: str, state: tuple) -> int:
     """Restore every part of ``state`` and the RNG states from <run>/checkpoint; its step."""
-    policy, optimizer, scheduler, sampler, guide_generator = state
+    policy, optimizer, scheduler, sampler, guide_generator, _ = state  # (the tokenizer is as read)
     path = os.path.join(checkpoint_dir(run_dir), "trainer_state.pt")
     saved = torch.load(path, weights_only=False)
     policy.load_state_dict(saved["weights"], strict=False)  # the frozen rest is as loaded

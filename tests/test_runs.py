@@ -19,24 +19,25 @@ from task.problems import PromptSampler
 
 
 def run_state(full_finetune: bool = False) -> tuple:
-    """A tiny policy (LoRA or every weight trained), its AdamW and schedule, a prompt sampler and
-    a guide generator: what a checkpoint holds."""
+    """A tiny policy (LoRA or every weight trained), its AdamW and schedule, a prompt sampler, a
+    guide generator and the tokenizer: what a checkpoint holds."""
     import sage
     from extras import demo
 
-    model = demo.build_tiny_model(demo.build_tiny_tokenizer(), max_position_embeddings=64)
+    tokenizer = demo.build_tiny_tokenizer()
+    model = demo.build_tiny_model(tokenizer, max_position_embeddings=64)
     torch.manual_seed(0)  # LoRA's A matrices
     policy, _ = sage.make_policy(
         model, full_finetune, lora_rank=4, lora_alpha=8, with_reference=False
     )
     optimizer, scheduler = models.make_optimizer(policy, 1e-2, 0.0, 10, 1)
-    return policy, optimizer, scheduler, PromptSampler(10, seed=0), torch.Generator()
+    return policy, optimizer, scheduler, PromptSampler(10, seed=0), torch.Generator(), tokenizer
 
 
 def train_step(state: tuple) -> list:
     """One AdamW step on random tokens, then a draw from every RNG a step uses; returns the
     loss, the next step's learning rate, the draws and the trained weights."""
-    policy, optimizer, scheduler, sampler, generator = state
+    policy, optimizer, scheduler, sampler, generator, _ = state
     ids = torch.randint(0, 64, (2, 8))
     loss = policy(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -46,6 +47,20 @@ def train_step(state: tuple) -> list:
     draws = [random.random(), torch.rand(3), sampler.take(3), torch.rand(2, generator=generator)]
     trained = [p for p in policy.parameters() if p.requires_grad]
     return [loss.detach(), scheduler.get_last_lr(), *draws, *trained]
+
+
+def test_a_full_finetune_checkpoint_is_a_model_evaluate_py_can_load(tmp_path):
+    """checkpoint/model holds the tokenizer beside the weights: evaluate.py --model of a
+    --full-finetune checkpoint reads its prompts' chat template there (an empty tokenizer and a
+    traceback before)."""
+    from transformers import AutoTokenizer
+
+    from task.problems import build_prompt_ids
+
+    state = run_state(full_finetune=True)
+    runs.save_checkpoint(str(tmp_path), 1, state)
+    saved = AutoTokenizer.from_pretrained(tmp_path / "checkpoint" / "model")
+    assert build_prompt_ids(saved, "1 + 1") == build_prompt_ids(state[-1], "1 + 1")
 
 
 def same(a: list, b: list) -> bool:
@@ -243,9 +258,9 @@ def test_a_resume_trains_at_this_runs_lr_and_weight_decay(tmp_path):
     whole = run_state()  # --lr 1e-2, --weight-decay 0
     train_step(whole), train_step(whole)
     runs.save_checkpoint(str(tmp_path), 2, whole)
-    policy, _, _, sampler, generator = run_state()
+    policy, _, _, sampler, generator, tokenizer = run_state()
     optimizer, scheduler = models.make_optimizer(policy, 5e-3, 0.1, 10, 1)
-    state = (policy, optimizer, scheduler, sampler, generator)
+    state = (policy, optimizer, scheduler, sampler, generator, tokenizer)
     assert runs.restore_or_start(True, str(tmp_path), state) == 2
     group = optimizer.param_groups[0]
     assert whole[2].get_last_lr() == [pytest.approx(1e-2 * 8 / 9)]  # (10 - 2) / (10 - 1)
