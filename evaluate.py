@@ -815,7 +815,7 @@ class EvalArgs:
     grade_timeout: float = field(default=5.0, metadata={"range": "> 0"})
     """Per-item grading timeout in seconds."""
     grading_workers: int | None = field(default=None, metadata={"range": ">= 1"})
-    """Grading processes (default: one per CPU core)."""
+    """Grading processes (default: one per CPU core, at most 32)."""
     save_completions: str | None = None
     """Directory for per-(benchmark, seed) JSONL samples (input of patterns and perplexity)."""
     progress: bool = True

@@ -109,7 +109,8 @@ class VLLMEngine:
     process: vLLM's distributed state is global, so ``close()`` one before starting the next.
 
     It loads ``model_path``, then takes ``model``'s weights if given (the trainer's in-memory
-    model). ``gpu_memory_utilization``: on CUDA its share of the GPU (default 0.3), on CPU the
+    model). ``gpu_memory_utilization``: on CUDA its share of the GPU (default 0.3; the trainer's
+    engine, given its step's limits, enough for the step's sequences, at least 0.3), on CPU the
     share of RAM for its KV cache (default 0.05); ``trainer_bytes``: on CUDA what the trainer
     keeps beside it, whose sequences at once are sized to the rest (memory_plan.py);
     ``llm_kwargs`` go to ``vllm.LLM`` over the defaults below (``max_num_seqs``,

@@ -150,7 +150,8 @@ class Config:
     backend: str = field(default="vllm", metadata={"choices": rollout.BACKENDS})
     """Rollout engine: vllm | hf."""
     gpu_memory_utilization: float = field(default=0.0, metadata={"range": "in [0, 1)"})
-    """vLLM's share of the GPU (0: 0.3); on CPU, of the RAM for its KV cache (0: 0.05)."""
+    """vLLM's share of the GPU (0: enough for one step's sequences beside the trainer, at least
+    0.3; docs/gpu.md); on CPU, of the RAM for its KV cache (0: 0.05)."""
     save_every: int = field(default=50, metadata={"range": ">= 1"})
     """Checkpoint every N steps (and at the end)."""
     report_to: str = "jsonl"

@@ -2,8 +2,8 @@
 
 1. Speed: the same 2,000 completions (250 problems x 8 rollouts, a training step's shape scaled
    up) are graded once by a serial loop of ``grading.grade`` in this process and once by a
-   ``GradingPool`` (one worker per core), taking turns on blocks of 500 so that both meet the
-   same background load. Both sides are warmed first on the same other completions
+   ``GradingPool`` (one worker per core, at most 32), taking turns on blocks of 500 so that both
+   meet the same background load. Both sides are warmed first on the same other completions
    (math-verify imported, its regexes and LaTeX parser caches built, the pool's workers
    started), so the timing is of grading alone; the pool's start-up is reported on its own.
    The completions follow the paper's format (App. E.4) with answers written in varied but
@@ -198,7 +198,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=2000, help="completions graded by both sides")
     parser.add_argument(
-        "--workers", type=int, default=None, help="pool size (default: one per core)"
+        "--workers", type=int, default=None, help="pool size (default: one per core, at most 32)"
     )
     parser.add_argument("--block", type=int, default=500, help="completions per serial/pooled turn")
     parser.add_argument(

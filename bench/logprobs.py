@@ -128,7 +128,7 @@ def measure_time(name: str, args, device) -> float:
 
 
 def check_agreement(args, device) -> float:
-    """Max |difference| between the two paths' log-probs, gradients and entropies (sanity)."""
+    """Max |difference| between the two paths' gradients and entropies (sanity)."""
     logits, token_ids, upstream = make_inputs(args, device)
     grad_naive, entropy_naive = step(PATHS["naive"], logits, token_ids, upstream, args.temperature)
     grad_ours, entropy_ours = step(PATHS["ours"], logits, token_ids, upstream, args.temperature)

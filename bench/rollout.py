@@ -5,7 +5,7 @@ One run, one process, one small random Qwen2 (hidden 512, 4 layers, head size 64
 1. The "trainer" perturbs the saved weights and pushes them into the vLLM engine with
    ``sync_weights``; the hf engine generates through the trainer's model itself.
 2. ``greedy_match``: greedy completions of both engines agree token for token (after the sync).
-3. ``max_logprob_diff``: for every token vLLM sampled in the timed runs, |engine log-prob -
+3. ``max_logprob_diff``: for every token vLLM sampled in the last timed run, |engine log-prob -
    trainer log-prob|, the trainer's from a full-sequence forward through ``loss.py`` in float32
    with the sampler's temperature and min-p replayed. Excluded (and counted): positions where a
    token's logit sits within MIN_P_TOLERANCE of the min-p threshold, so close that engine and

@@ -7,8 +7,8 @@ default without vLLM). Each runs as a subprocess for a few steps; the first step
 kernel choices, the engine's first batches) are left out of the means.
 
 Two shapes:
-* ``demo``: the demo's SFT model (built once by ``python sage.py --steps 1``), which answers in
-  ~12 tokens, 8 prompts x 8 completions;
+* ``demo``: the demo's SFT model (built once by ``python -m extras.demo --sft-only``), which
+  answers in ~12 tokens, 8 prompts x 8 completions;
 * ``long``: the same tiny architecture untrained, which rarely stops, so completions run to a
   128-token budget.
 
@@ -48,7 +48,7 @@ SHARED = shlex.split("""
     --no-gradient-checkpointing
     --seed 3407
 """)
-PHASES = ("rollout", "reward", "reference", "update", "sync", "other")
+PHASES = ("rollout", "reward", "reference", "sleep", "update", "sync", "other")
 
 
 def run(command: list[str]) -> None:

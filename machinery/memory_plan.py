@@ -48,7 +48,7 @@ class PlanConfig:
     """Print the run's GPU memory forecast from the model's config.json (no weights load) and
     one JSON line, then exit."""
     gpu_gb: float = dataclasses.field(default=0.0, metadata={"range": ">= 0"})
-    """The card --plan-memory judges, in GB (24, 40, 48, 80, 141; 0: this GPU, else 80)."""
+    """The card the plan and a run's refusal judge, GB (24, 48, 80, 141; 0: this GPU, else 80)."""
 
 
 def read_model_config(model: str):
