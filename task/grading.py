@@ -54,6 +54,7 @@ _LATEX_DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
 _PROSE_WORD = re.compile(r"(?<![\\A-Za-z])[A-Za-z]{3,}")  # a word, not a LaTeX command
 _PLAIN_NUMBER = re.compile(r"\s*-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*-?\d+)?\s*%?\s*")
 _E_NOTATION = re.compile(r"(?<![\w.])(-?\d+(?:\.\d+)?)[eE]([-+]?\d{1,3})(?![\w.])")  # 7.5e-8
+_POWER_OF_TEN = r"\1\\times10^{\2}"  # what _E_NOTATION's number becomes: 7.5\times10^{-8}
 
 
 def extract_solution(completion: str) -> str | None:
@@ -100,8 +101,8 @@ def _parse_short_answer(text: str, timeout: int | None) -> list:
 def _grade_math(completion: str, answer: str, timeout: int | None) -> bool:
     from math_verify import parse, verify
 
-    completion = _E_NOTATION.sub(r"\1\\times10^{\2}", completion)  # 7.5e-8: 7.5 x 10^-8
-    reference = _parse_short_answer(_E_NOTATION.sub(r"\1\\times10^{\2}", str(answer)), timeout)
+    completion = _E_NOTATION.sub(_POWER_OF_TEN, completion)
+    reference = _parse_short_answer(_E_NOTATION.sub(_POWER_OF_TEN, str(answer)), timeout)
     if not reference:
         return False
     solution = extract_solution(completion)
