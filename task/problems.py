@@ -314,8 +314,6 @@ def resolve_benchmarks(
                 f"{benchmark.paper_size} in the paper",
                 file=sys.stderr,
             )
-        if not problems:
-            raise DataError(f"benchmark {entry!r} has no problems")
         resolved[name] = (where, problems)
     if not resolved:
         raise DataError("no benchmarks given; pass e.g. --benchmarks aime,amc23,math500-l5")
