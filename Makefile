@@ -44,11 +44,17 @@ $(STAMP): pyproject.toml Makefile
 	fi
 	@touch $(STAMP)
 
+# The tests in one pytest-xdist worker per core (at most 4), each pinned to its core
+# (tests/conftest.py), handed out two at a time, the slow ones first. On a CUDA node, one
+# process: two workers would start two vLLM engines on one GPU.
+TEST_WORKERS ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo 0; else n=$$(nproc); echo $$(( n < 4 ? n : 4 )); fi)
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --maxschedchunk 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_PARALLEL)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not slow"
 
 # The fast tests as a GPU node's torch would answer them (tests/plugins/simulated_gpu.py): a test
 # that forces one half of a device branch and lets the other ask the real torch.cuda fails here.

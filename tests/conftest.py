@@ -13,6 +13,38 @@ import pytest
 
 collect_ignore = ["plugins"]  # pytest plugins (make test-gpu-sim), imported only when named
 
+
+def worker_cores(worker: str, workers: int, cores: list[int]) -> list[int]:
+    """The cores that pytest-xdist's worker ``gw<i>`` of ``workers`` keeps: i, i + n, ... of
+    ``cores`` (with more workers than cores, workers share them).
+
+    >>> worker_cores("gw1", workers=2, cores=[0, 1, 2, 3])
+    [1, 3]
+    >>> worker_cores("gw2", workers=3, cores=[0, 1])
+    [0]
+    """
+    return cores[int(worker.removeprefix("gw")) % len(cores) :: workers]
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` on a CPU machine: a worker per core), each worker keeps
+    its cores to itself: the process and the runs its tests start are pinned to them, and
+    torch's and vLLM's OpenMP threads number and bind to them. Unpinned, two workers' threads
+    spin on the same cores, and each slow test takes two to three times as long side by side
+    (docs/history.md, the test loop)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...; unset in one process
+    if worker is None:
+        return
+    import torch
+
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    mine = worker_cores(worker, workers=workers, cores=sorted(os.sched_getaffinity(0)))
+    os.sched_setaffinity(0, mine)  # inherited by the processes a test starts
+    os.environ["OMP_NUM_THREADS"] = str(len(mine))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))  # vLLM's CPU engine
+    torch.set_num_threads(len(mine))
+
+
 SEED = 0  # every test starts from the same global RNG state, whatever ran before it
 
 
@@ -112,9 +144,14 @@ def pytest_collection_modifyitems(config, items):
     bit-exact or last-bit equality of two CPU float32 paths, which CUDA kernels (bf16 weights,
     other reduction orders, nondeterministic atomics) do not promise. Where torch answers as a
     GPU node but has no CUDA kernels (the simulated node of ``make test-gpu-sim``), skip the
-    tests marked ``cuda_kernels`` too: they run the model on the GPU torch offers."""
+    tests marked ``cuda_kernels`` too: they run the model on the GPU torch offers.
+
+    Under pytest-xdist the slow tests go first, so that no long one is left to run alone at the
+    end while the other workers wait."""
     import torch
 
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # (a stable sort)
     if not torch.cuda.is_available():
         return
     if not torch.backends.cuda.is_built():

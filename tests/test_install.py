@@ -1,8 +1,16 @@
-"""The project's install files: what a GPU node's first `make install` would do."""
+"""The project's install files: what a GPU node's first `make install` would do, and how
+`make test` splits the machine between its workers."""
 
+import json
 import os
 import re
+import subprocess
+import sys
 import tomllib
+
+import conftest
+import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,3 +93,24 @@ def test_a_cuda_install_checks_for_a_c_compiler_and_python_headers():
     assert any("build-essential" in line for line in errors)
     assert any("Python.h" in line and "-dev" in line for line in errors)
     assert cuda_branch.index("Python.h") < cuda_branch.index('$(PIP) install -e ".[cuda')
+
+
+def test_each_make_test_worker_keeps_its_own_cores():
+    """Under `make test` (pytest-xdist), worker i of n runs on cores i, i + n, ... of the
+    machine's, and so do the processes its tests start; torch's threads, OpenMP's and vLLM's
+    CPU binding are as many (tests/conftest.py). In one process nothing is split."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        pytest.skip("one process (plain pytest): no worker to pin")
+    workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    machine = sorted(os.sched_getaffinity(os.getppid()))  # the controller's, unpinned
+    mine = conftest.worker_cores(worker, workers=workers, cores=machine)
+    assert sorted(os.sched_getaffinity(0)) == mine
+    if 1 < workers <= len(machine):  # a split, not the whole machine
+        assert len(mine) < len(machine)
+    child = "import json, os; print(json.dumps(sorted(os.sched_getaffinity(0))))"
+    printed = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True)
+    assert json.loads(printed.stdout) == mine
+    assert os.environ["OMP_NUM_THREADS"] == str(len(mine))
+    assert torch.get_num_threads() == len(mine)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, mine))
