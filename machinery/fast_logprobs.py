@@ -183,7 +183,7 @@ def chunked_token_logps_and_entropies(
             vocabulary) are allowed.
 
     Raises:
-        ValueError: on mismatched shapes, or logits with NaN / +inf (or a row all -inf).
+        ValueError on mismatched shapes or settings; FloatingPointError on NaN / +inf logits.
 
     >>> logits = torch.tensor([[0.0, 0.0, 0.0, 0.0]])       # uniform over 4 tokens
     >>> logps, ent = chunked_token_logps_and_entropies(logits, torch.tensor([2]))
@@ -209,7 +209,7 @@ def chunked_token_logps_and_entropies(
         flat_logits, flat_ids, temperature, min_p, chunk_rows, inplace_backward
     )
     if not torch.isfinite(entropies).all():  # NaN or inf logits give NaN: one [N] check
-        raise ValueError(
+        raise FloatingPointError(
             "logits have NaN or inf (or are all -inf) in some rows: a diverged model or an "
             "overflowing dtype; check the forward pass that produced them"
         )

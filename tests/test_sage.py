@@ -436,6 +436,10 @@ def test_a_non_finite_loss_or_gradient_stops_the_update_in_one_line_naming_where
         with pytest.raises(FloatingPointError) as stopped:
             update(policy, advantages, step=step)
         assert str(stopped.value) == f"the gradient norm is nan ({where}): {hint}"
+    with torch.no_grad():  # a diverged model: NaN logits, which the fast kernel refuses
+        weight.fill_(math.nan)
+    with pytest.raises(SystemExit, match=r"^error: logits have NaN or inf .*forward pass"):
+        cli.run(lambda: update(policy, advantages, step=3))  # sage.py's one line, exit 1
 
 
 def test_k1_return_shaping_keeps_every_tensor_on_the_log_probs_device():
