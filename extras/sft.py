@@ -147,6 +147,9 @@ def warm_start(config, run_dir: str, wrap_lora) -> str:
 
     settings, final = config.extras["sft"], os.path.join(run_dir, "sft_model")
     if config.resume and os.path.exists(os.path.join(final, "config.json")):
+        if settings.sft_only:  # done before: nothing to train, and no RL to start
+            tqdm.write(f"sft: {final} is saved already; --sft-only, so no RL")
+            raise SystemExit(0)
         return final
     tokenizer = models.load_tokenizer(config.model)
     rows = load_rows(settings.sft_dataset, settings.sft_dataset_config, settings.sft_split)

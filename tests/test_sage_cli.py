@@ -334,6 +334,14 @@ def test_sft_only_writes_the_sft_model_and_its_stats(tmp_path, tiny_model_dir):
     assert stats["kept"] == 6 and stats["dropped_too_long"] == 1 and stats["max_tokens"] == 128
     assert (tmp_path / "sft" / "sft_model" / "config.json").exists()
     assert not (tmp_path / "sft" / "metrics.jsonl").exists()
+    # the same directory, as an RL run from this SFT start left it (a checkpoint: --resume may
+    # continue it): --sft-only --resume finds its SFT model saved and ends at once, as before
+    (tmp_path / "sft" / "checkpoint").mkdir()
+    (tmp_path / "sft" / "checkpoint" / "trainer_state.pt").write_bytes(b"")
+    written = (tmp_path / "sft" / "config.json").read_bytes()
+    with pytest.raises(SystemExit) as ended:
+        sage.main([*argv, "--name", "sft", "--out", str(tmp_path), "--resume"])
+    assert ended.value.code == 0 and (tmp_path / "sft" / "config.json").read_bytes() == written
 
 
 def test_a_plug_in_reward_is_the_one_trained_on(tmp_path):
